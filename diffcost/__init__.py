@@ -1,0 +1,17 @@
+"""diffcost: differentiable prediction of distributed training time and memory."""
+
+from diffcost.api import experiment_arrays, load, predict, simulate_jit
+from diffcost.params import Params, default_params
+from diffcost.simulate import Breakdown, simulate
+
+__all__ = [
+    "Breakdown",
+    "Params",
+    "default_params",
+    "experiment_arrays",
+    "load",
+    "predict",
+    "simulate",
+    "simulate_jit",
+]
+__version__ = "0.1.0"

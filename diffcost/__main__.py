@@ -1,0 +1,3 @@
+from diffcost.cli import main
+
+raise SystemExit(main())

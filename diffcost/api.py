@@ -1,0 +1,57 @@
+"""Python entry points: load a config, predict, and batch predictions.
+
+This is the edge of the library: it reads files and converts specs to arrays; the numerical
+core (``diffcost.simulate``) stays pure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from diffcost import smooth
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
+from diffcost.params import Params, default_params
+from diffcost.simulate import Breakdown, simulate
+from diffcost.specs import Experiment
+
+
+@functools.partial(jax.jit, static_argnames=("temperature",))
+def simulate_jit(model, plan, cluster, params, temperature=smooth.DEFAULT_TEMPERATURE):
+    """``simulate`` compiled once per input structure (shapes and dtypes)."""
+    return simulate(model, plan, cluster, params, temperature)
+
+
+def experiment_arrays(exp: Experiment, dtype=None):
+    """(model, plan, cluster) array pytrees of an experiment."""
+    return (
+        model_arrays(exp.model, dtype),
+        plan_arrays(exp.plan, dtype),
+        cluster_arrays(exp.cluster, dtype),
+    )
+
+
+def load(config: str | os.PathLike | Experiment, overrides: Sequence[str] = ()) -> Experiment:
+    """An ``Experiment`` from a path (validated), or the experiment itself."""
+    if isinstance(config, Experiment):
+        return config
+    from diffcost import config as config_mod
+
+    return config_mod.load_experiment(str(config), list(overrides))
+
+
+def predict(
+    config: str | os.PathLike | Experiment,
+    overrides: Sequence[str] = (),
+    params: Params | None = None,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+) -> Breakdown:
+    """Predict one experiment; returns a ``Breakdown`` of numpy scalars/arrays."""
+    exp = load(config, overrides)
+    params = default_params() if params is None else params
+    out = simulate_jit(*experiment_arrays(exp), params, temperature=temperature)
+    return jax.tree_util.tree_map(np.asarray, out)

@@ -1,0 +1,169 @@
+"""Array pytrees of a model, a cluster and a plan: what the numerical core consumes.
+
+Everything a sweep may vary or an optimizer may relax is a float leaf: parallel degrees and
+microbatch size are floats, categorical choices are probability vectors (one-hot for a discrete
+plan), the dimension order is a rank vector. Conversion from the static specs happens here, at
+the edge, once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from diffcost.specs import (
+    PLACED_DIMS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    ZERO_STAGES,
+    ClusterSpec,
+    ModelSpec,
+    PlanSpec,
+)
+
+GiB = 2.0**30
+ACT_BYTES = 2.0  # activations and 16-bit weights are bf16/fp16 even when GEMMs run in fp8/fp4
+
+
+@struct.dataclass
+class ModelArrays:
+    """Transformer shape as float leaves (counts), plus architecture switches in [0, 1]."""
+
+    n_layers: jax.Array
+    hidden: jax.Array
+    ffn_hidden: jax.Array
+    heads: jax.Array
+    kv_heads: jax.Array
+    seq_len: jax.Array
+    vocab: jax.Array
+    swiglu: jax.Array  # 1: three MLP matrices (gate, up, down); 0: two (GELU)
+    tied: jax.Array  # 1: LM head shares the embedding matrix
+    bias: jax.Array  # 1: linear layers have biases
+    experts: jax.Array  # 1 for a dense model
+    top_k: jax.Array
+    capacity_factor: jax.Array
+    flash: jax.Array  # 1: fused attention
+    precision: jax.Array  # [n_precisions] one-hot: which peak the GEMMs run at
+
+
+@struct.dataclass
+class ClusterArrays:
+    """Hardware facts in SI units."""
+
+    peak_flops: jax.Array  # [n_precisions] FLOP/s, 0 where the GPU has no such rate
+    hbm_Bps: jax.Array
+    memory_bytes: jax.Array
+    gpus_per_node: jax.Array
+    nvlink_Bps: jax.Array  # per GPU, one direction
+    nvlink_latency_s: jax.Array
+    nic_Bps: jax.Array  # per GPU share of the node's NICs, one direction
+    nic_latency_s: jax.Array
+    oversubscription: jax.Array
+
+
+@struct.dataclass
+class PlanArrays:
+    """A (possibly relaxed) plan. Degrees and batch sizes are floats >= 1."""
+
+    tp: jax.Array
+    pp: jax.Array
+    dp: jax.Array
+    cp: jax.Array
+    ep: jax.Array
+    microbatch: jax.Array
+    global_batch: jax.Array
+    chunks: jax.Array  # virtual stages per pipeline rank
+    sp: jax.Array  # sequence parallel in [0, 1]
+    overlap_dp: jax.Array  # [0, 1]
+    overlap_tp: jax.Array  # [0, 1]
+    zero: jax.Array  # [4] probabilities of ZeRO stage 0..3
+    recompute: jax.Array  # [3] probabilities of none / selective / full
+    schedule: jax.Array  # [3] probabilities of gpipe / 1f1b / interleaved
+    order: jax.Array  # [4] rank of (tp, cp, dp, pp) from innermost (0) outwards
+
+    @property
+    def n_microbatches(self):
+        return self.global_batch / (self.dp * self.microbatch)
+
+    @property
+    def n_gpus(self):
+        return self.dp * self.tp * self.pp * self.cp
+
+
+def _one_hot(index: int, n: int) -> np.ndarray:
+    out = np.zeros(n)
+    out[index] = 1.0
+    return out
+
+
+def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
+    """Convert a ``ModelSpec`` to float leaves."""
+    moe = model.moe
+    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    return ModelArrays(
+        n_layers=f(model.n_layers),
+        hidden=f(model.hidden),
+        ffn_hidden=f(model.ffn_hidden),
+        heads=f(model.heads),
+        kv_heads=f(model.kv_heads),
+        seq_len=f(model.seq_len),
+        vocab=f(model.vocab),
+        swiglu=f(1.0 if model.mlp == "swiglu" else 0.0),
+        tied=f(1.0 if model.tied_embeddings else 0.0),
+        bias=f(1.0 if model.bias else 0.0),
+        experts=f(moe.experts if moe else 1),
+        top_k=f(moe.top_k if moe else 1),
+        capacity_factor=f(moe.capacity_factor if moe else 1.0),
+        flash=f(1.0 if model.flash_attention else 0.0),
+        precision=f(_one_hot(PRECISIONS.index(model.precision), len(PRECISIONS))),
+    )
+
+
+def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
+    """Convert a ``ClusterSpec`` (config units) to SI units."""
+    gpu = cluster.gpu
+    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    peak = [gpu.peak_tflops.get(p, 0.0) * 1e12 for p in PRECISIONS]
+    nic_per_gpu = cluster.nics_per_node * cluster.nic_Gbps * 1e9 / 8 / cluster.gpus_per_node
+    return ClusterArrays(
+        peak_flops=f(peak),
+        hbm_Bps=f(gpu.hbm_bandwidth_GBps * 1e9),
+        memory_bytes=f(gpu.memory_GiB * GiB),
+        gpus_per_node=f(cluster.gpus_per_node),
+        nvlink_Bps=f(cluster.nvlink_GBps * 1e9 / 2),
+        nvlink_latency_s=f(cluster.nvlink_latency_us * 1e-6),
+        nic_Bps=f(nic_per_gpu),
+        nic_latency_s=f(cluster.nic_latency_us * 1e-6),
+        oversubscription=f(cluster.oversubscription),
+    )
+
+
+def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
+    """Convert a discrete ``PlanSpec`` to a one-hot ``PlanArrays``."""
+    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    order = np.array([plan.order.index(d) for d in PLACED_DIMS], dtype=float)
+    return PlanArrays(
+        tp=f(plan.tp),
+        pp=f(plan.pp),
+        dp=f(plan.dp),
+        cp=f(plan.cp),
+        ep=f(plan.ep),
+        microbatch=f(plan.microbatch),
+        global_batch=f(plan.global_batch),
+        chunks=f(plan.chunks if plan.schedule == "interleaved" else 1),
+        sp=f(1.0 if (plan.sequence_parallel and plan.tp > 1) else 0.0),
+        overlap_dp=f(1.0 if plan.overlap_dp else 0.0),
+        overlap_tp=f(1.0 if plan.overlap_tp else 0.0),
+        zero=f(_one_hot(ZERO_STAGES.index(plan.zero), len(ZERO_STAGES))),
+        recompute=f(_one_hot(RECOMPUTE_MODES.index(plan.recompute), len(RECOMPUTE_MODES))),
+        schedule=f(_one_hot(SCHEDULES.index(plan.schedule), len(SCHEDULES))),
+        order=f(order),
+    )
+
+
+def stack(trees):
+    """Stack a list of identically shaped pytrees along a new leading (batch) axis."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)

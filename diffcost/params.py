@@ -1,0 +1,136 @@
+"""Every constant the model is calibrated on, in one pytree, reparametrized to stay valid.
+
+Leaves are unconstrained raw values (log for positive quantities, logit for fractions); the
+properties return the constrained values the cost model uses. Defaults come from datasheets
+and common practice, not from fitting; ``calibration/`` fits them to measurements.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from diffcost.specs import PRECISIONS
+
+
+def _logit(p):
+    p = jnp.asarray(p, dtype=float)
+    return jnp.log(p) - jnp.log1p(-p)
+
+
+@struct.dataclass
+class Params:
+    """Calibratable constants (raw, unconstrained leaves).
+
+    Efficiencies are fractions of a datasheet peak; latencies and overheads are seconds.
+    ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order.
+    """
+
+    gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
+    gemm_dim_half_log: jax.Array  # GEMM dimension at which that dimension halves efficiency
+    attn_eff_logit: jax.Array  # fused attention kernel efficiency relative to GEMMs
+    mem_eff_logit: jax.Array  # fraction of HBM bandwidth reached by memory-bound kernels
+    kernel_overhead_log_s: jax.Array  # fixed cost per kernel launch
+    nvlink_eff_logit: jax.Array  # fraction of NVLink bandwidth reached by collectives
+    nic_eff_logit: jax.Array  # fraction of NIC bandwidth reached by collectives
+    nvlink_latency_log_scale: jax.Array  # multiplier on the cluster's NVLink latency
+    nic_latency_log_scale: jax.Array  # multiplier on the cluster's NIC latency
+    half_bw_log_bytes: jax.Array  # message size reaching half the link bandwidth
+    interference_log: jax.Array  # slowdown of compute and comm while they overlap
+    optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
+    iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
+
+    @property
+    def gemm_eff(self):
+        return jax.nn.sigmoid(self.gemm_eff_logit)
+
+    @property
+    def gemm_dim_half(self):
+        return jnp.exp(self.gemm_dim_half_log)
+
+    @property
+    def attn_eff(self):
+        return jax.nn.sigmoid(self.attn_eff_logit)
+
+    @property
+    def mem_eff(self):
+        return jax.nn.sigmoid(self.mem_eff_logit)
+
+    @property
+    def kernel_overhead_s(self):
+        return jnp.exp(self.kernel_overhead_log_s)
+
+    @property
+    def nvlink_eff(self):
+        return jax.nn.sigmoid(self.nvlink_eff_logit)
+
+    @property
+    def nic_eff(self):
+        return jax.nn.sigmoid(self.nic_eff_logit)
+
+    @property
+    def nvlink_latency_scale(self):
+        return jnp.exp(self.nvlink_latency_log_scale)
+
+    @property
+    def nic_latency_scale(self):
+        return jnp.exp(self.nic_latency_log_scale)
+
+    @property
+    def half_bw_bytes(self):
+        return jnp.exp(self.half_bw_log_bytes)
+
+    @property
+    def interference(self):
+        return jnp.exp(self.interference_log)
+
+    @property
+    def optimizer_bytes_per_param(self):
+        return jnp.exp(self.optimizer_log_bytes_per_param)
+
+    @property
+    def iteration_overhead_s(self):
+        return jnp.exp(self.iteration_overhead_log_s)
+
+
+# Datasheet-style defaults, constrained values. Sources: NVIDIA's published large-GEMM
+# throughput (~70-80% of dense peak for bf16 on A100/H100), nccl-tests bus bandwidth on
+# DGX systems (~80% of NVLink per-direction peak), Adam in mixed precision (fp32 master
+# weights, two moments, fp32 gradients, 16-bit copy: ~ 28 B of HBM traffic per parameter).
+DEFAULTS = {
+    "gemm_eff": {"fp32": 0.80, "bf16": 0.75, "fp16": 0.75, "fp8": 0.65, "fp4": 0.55},
+    "gemm_dim_half": 48.0,
+    "attn_eff": 0.70,
+    "mem_eff": 0.80,
+    "kernel_overhead_s": 4e-6,
+    "nvlink_eff": 0.80,
+    "nic_eff": 0.85,
+    "nvlink_latency_scale": 1.0,
+    "nic_latency_scale": 1.0,
+    "half_bw_bytes": 1.0 * 2**20,
+    "interference": 0.05,
+    "optimizer_bytes_per_param": 28.0,
+    "iteration_overhead_s": 5e-3,
+}
+
+
+def default_params(dtype=None) -> Params:
+    """Params at their datasheet defaults (``dtype`` defaults to JAX's default float)."""
+    d = DEFAULTS
+    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    return Params(
+        gemm_eff_logit=f(_logit(jnp.array([d["gemm_eff"][p] for p in PRECISIONS]))),
+        gemm_dim_half_log=f(jnp.log(d["gemm_dim_half"])),
+        attn_eff_logit=f(_logit(d["attn_eff"])),
+        mem_eff_logit=f(_logit(d["mem_eff"])),
+        kernel_overhead_log_s=f(jnp.log(d["kernel_overhead_s"])),
+        nvlink_eff_logit=f(_logit(d["nvlink_eff"])),
+        nic_eff_logit=f(_logit(d["nic_eff"])),
+        nvlink_latency_log_scale=f(jnp.log(d["nvlink_latency_scale"])),
+        nic_latency_log_scale=f(jnp.log(d["nic_latency_scale"])),
+        half_bw_log_bytes=f(jnp.log(d["half_bw_bytes"])),
+        interference_log=f(jnp.log(d["interference"])),
+        optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
+        iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),
+    )

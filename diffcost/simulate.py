@@ -1,0 +1,480 @@
+"""simulate: one plan on one cluster -> iteration time, its breakdown, memory and a status.
+
+The execution model, in the order it is composed (every max is a smooth max, see
+``diffcost.smooth``; at temperature 0 this is exactly the graph that ``diffcost.reference``
+simulates event by event):
+
+1. **Layer** (per microbatch, one GPU): GEMMs, attention, memory-bound kernels and launch
+   overheads on the compute stream; tensor-parallel collectives in series with them (or
+   overlapped when ``overlap_tp``); context-parallel K/V exchange overlapped with attention;
+   expert all-to-alls in series; ZeRO-3 parameter gathers prefetched under compute. Overlapped
+   pairs slow each other by the interference factor over the overlapping time.
+2. **Stage** (per microbatch): ``layers / pp`` layers, plus the embedding on the first stage and
+   the LM head and loss on the last. Three stage kinds: first, middle, last.
+3. **Pipeline**: GPipe and 1F1B take ``sum_s W_s + (m - 1) max_s W_s``; interleaved with ``v``
+   chunks ``m max_s W_s + (sum_s W_s - max_s W_s) / v``; activation sends add their fill and
+   drain cost. ``W_s`` is forward + backward of stage ``s`` for one microbatch.
+4. **Data-parallel sync**: one bucket per layer, ready as the last microbatch's backward
+   passes it; buckets go FIFO on the comm stream, so the exposed tail is
+   ``max(c, L c - (L - 1) b)`` with overlap (``c`` a bucket's sync, ``b`` a layer's backward)
+   and ``L c`` without.
+5. **Optimizer step** (memory-bound over the local optimizer shard), the ZeRO-1/2 parameter
+   all-gather, and a fixed per-iteration overhead.
+
+Memory per stage: 16-bit weights, fp32 gradients, fp32 master weights and two Adam moments,
+each divided by ``dp`` from the ZeRO stage that shards it; activations of the microbatches in
+flight; communication buffers; a fixed runtime reserve.
+
+Categorical choices (ZeRO stage, recompute, schedule) are probability vectors: every variant is
+computed and the result is their mixture, so a one-hot plan gives exactly that variant and a
+relaxed plan a smooth blend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from diffcost import comm, kernels, smooth, workload
+from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays, PlanArrays
+from diffcost.params import Params
+
+STATUS_OK, STATUS_OOM, STATUS_INVALID = 0, 1, 2
+STATUS_NAMES = ("ok", "oom", "invalid")
+
+GRAD_BYTES = 4.0  # fp32 gradient accumulation and reduction (Megatron default)
+FSDP_GRAD_BYTES = 2.0  # FSDP reduce-scatters 16-bit gradients per microbatch
+WEIGHT_BYTES = 2.0
+OPTIMIZER_STATE_BYTES = 12.0  # fp32 master weights + Adam m and v
+LOGIT_BYTES = 4.0  # fp32 logits and their gradient on the last stage
+RUNTIME_RESERVE_BYTES = 1.0 * 2**30  # CUDA context, allocator fragmentation, workspaces
+DP_BUCKET_BYTES = 40e6  # gradient bucket buffers (two in flight)
+ATTN_BWD_FACTOR_FLASH = 2.5  # fused backward recomputes the scores
+ATTN_BWD_FACTOR = 2.0
+CAUSAL_FRACTION_FLASH = 0.5  # fused causal kernels skip the masked half
+_DIVISIBILITY_TOL = 1e-6
+
+
+@struct.dataclass
+class StageTimes:
+    """The static-shape execution graph of one iteration, reduced to its repeated units.
+
+    Arrays of shape [3] are per stage kind (first, middle, last). This is what
+    ``diffcost.reference`` unrolls event by event.
+    """
+
+    fwd_s: jax.Array  # [3] forward of one microbatch on one stage (all chunks)
+    bwd_s: jax.Array  # [3] backward (with recompute) of one microbatch on one stage
+    parts: jax.Array  # [3, 6] per-microbatch work split: compute, tp, cp, ep, zero, (unused)
+    p2p_s: jax.Array  # one activation send between adjacent stages (per chunk boundary)
+    dp_bucket_s: jax.Array  # [3] gradient sync of one layer's bucket
+    dp_layers: jax.Array  # buckets (layers) per stage
+    layer_bwd_s: jax.Array  # [3] backward of one layer of the last microbatch (bucket cadence)
+    dp_after_s: jax.Array  # [3] sync that cannot overlap (ZeRO-1/2 gathers, embedding grads)
+    n_microbatches: jax.Array
+    n_stages: jax.Array
+    chunks: jax.Array
+    overlap_dp: jax.Array
+    schedule: jax.Array  # [3] probabilities gpipe / 1f1b / interleaved
+    optimizer_s: jax.Array
+    overhead_s: jax.Array
+
+
+@struct.dataclass
+class Breakdown:
+    """One prediction. A batched sweep returns the same dataclass with a leading axis."""
+
+    iteration_s: jax.Array
+    tokens_per_s: jax.Array
+    mfu: jax.Array
+    compute_s: jax.Array
+    tp_comm_s: jax.Array  # exposed tensor-parallel communication
+    cp_comm_s: jax.Array
+    ep_comm_s: jax.Array
+    zero_comm_s: jax.Array  # exposed ZeRO-3 parameter gathers / gradient scatters
+    pp_comm_s: jax.Array  # pipeline sends in the fill and drain
+    dp_comm_s: jax.Array  # exposed gradient sync and ZeRO-1/2 parameter gathers
+    bubble_s: jax.Array
+    optimizer_s: jax.Array
+    overhead_s: jax.Array
+    weights_bytes: jax.Array  # [2] first and last stage
+    grads_bytes: jax.Array
+    optimizer_bytes: jax.Array
+    activations_bytes: jax.Array
+    buffers_bytes: jax.Array
+    memory_stage_bytes: jax.Array  # [2] total per stage, first and last
+    memory_peak_bytes: jax.Array
+    memory_capacity_bytes: jax.Array
+    memory_excess_bytes: jax.Array  # smooth max(peak - capacity, 0): the OOM penalty
+    model_flops: jax.Array  # model FLOPs of one iteration, all GPUs
+    status: jax.Array  # int32: 0 ok, 1 out of memory, 2 invalid plan
+
+    TIME_PARTS = (
+        "compute_s",
+        "tp_comm_s",
+        "cp_comm_s",
+        "ep_comm_s",
+        "zero_comm_s",
+        "pp_comm_s",
+        "dp_comm_s",
+        "bubble_s",
+        "optimizer_s",
+        "overhead_s",
+    )
+
+
+def _overlap(compute, comm_s, kappa, temperature):
+    """Two streams running together: each slows by ``kappa`` over the overlapping time."""
+    both = smooth.smin2(compute, comm_s, temperature)
+    return smooth.smax2(compute + kappa * both, comm_s + kappa * both, temperature)
+
+
+def _strides(plan: PlanArrays):
+    """Stride of each placed dimension (tp, cp, dp, pp) in the rank numbering."""
+    degrees = jnp.stack([plan.tp, plan.cp, plan.dp, plan.pp])
+    inner = plan.order[None, :] < plan.order[:, None]  # inner[i, j]: dim j is inside dim i
+    return jnp.exp(jnp.sum(jnp.where(inner, jnp.log(degrees)[None, :], 0.0), axis=1))
+
+
+def _divides(a, b):
+    q = a / b
+    return jnp.abs(q - jnp.round(q)) < _DIVISIBILITY_TOL * jnp.maximum(1.0, q)
+
+
+def plan_is_valid(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays):
+    """True where the plan satisfies the structural checks (as a traced boolean)."""
+    layers_per_chunk = plan.pp * plan.chunks
+    checks = [
+        _divides(model.heads, plan.tp),
+        _divides(model.kv_heads, plan.tp),
+        _divides(model.n_layers, layers_per_chunk),
+        _divides(plan.global_batch, plan.dp * plan.microbatch),
+        _divides(model.experts, plan.ep),
+        _divides(plan.dp, plan.ep),
+        _divides(model.seq_len, plan.cp),
+        jnp.sum(model.precision * cluster.peak_flops) > 0.0,
+    ]
+    return functools.reduce(jnp.logical_and, checks)
+
+
+def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
+    """Per-stage, per-microbatch times and the units of the pipeline and DP schedule."""
+    tau = temperature
+    kappa = params.interference
+    gpn = cluster.gpus_per_node
+    tp_stride, cp_stride, dp_stride, pp_stride = _strides(plan)
+    tp_group = comm.place(plan.tp, tp_stride, gpn, tau)
+    cp_group = comm.place(plan.cp, cp_stride, gpn, tau)
+    dp_group = comm.place(plan.dp, dp_stride, gpn, tau)
+    ep_group = comm.place(plan.ep, dp_stride, gpn, tau)
+    edp_group = comm.place(plan.dp / plan.ep, dp_stride * plan.ep, gpn, tau)
+    pp_group = comm.place(plan.pp, pp_stride, gpn, tau)
+
+    # --- one layer, one microbatch -----------------------------------------------------------
+    rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
+    rate16 = jnp.maximum(kernels.half_peak_flops(cluster, params), 1.0)
+    g = workload.layer_gemms(model, plan)
+    gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau))
+    # dgrad (m x n) @ (n x k) and wgrad (k x m) @ (m x n): same FLOPs, transposed shapes.
+    gemm_bwd = jnp.sum(
+        kernels.gemm_s(g.m, g.k, g.n, rate, cluster, params, tau)
+        + kernels.gemm_s(g.k, g.n, g.m, rate, cluster, params, tau)
+    )
+    attn_flops = workload.attention_flops(model, plan)
+    attn_bytes = workload.attention_bytes(model, plan)
+    causal = model.flash * CAUSAL_FRACTION_FLASH + (1.0 - model.flash)
+    attn_rate = rate16 * (model.flash * params.attn_eff + (1.0 - model.flash))
+    attn_fwd = smooth.smax2(
+        attn_flops * causal / attn_rate,
+        kernels.memory_bound_s(attn_bytes * model.flash, cluster, params),
+        tau,
+    ) + kernels.memory_bound_s(attn_bytes * (1.0 - model.flash), cluster, params)
+    attn_bwd = attn_fwd * (model.flash * ATTN_BWD_FACTOR_FLASH + (1 - model.flash) * ATTN_BWD_FACTOR)
+    elem_fwd = kernels.memory_bound_s(workload.elementwise_bytes(model, plan), cluster, params)
+    launch = workload.KERNELS_PER_LAYER_FWD * params.kernel_overhead_s
+    comp_fwd = gemm_fwd + attn_fwd + elem_fwd + launch
+    comp_bwd = gemm_bwd + attn_bwd + 2.0 * elem_fwd + 2.0 * launch
+
+    act_msg = workload.tokens(model, plan) * model.hidden * ACT_BYTES
+    tp_sp = 2.0 * (
+        comm.all_gather_s(act_msg, tp_group, cluster, params, tau)
+        + comm.reduce_scatter_s(act_msg, tp_group, cluster, params, tau)
+    )
+    tp_ar = 2.0 * comm.all_reduce_s(act_msg, tp_group, cluster, params, tau)
+    tp_fwd = plan.sp * tp_sp + (1.0 - plan.sp) * tp_ar  # same again in backward
+
+    kv_msg = 2.0 * workload.tokens(model, plan) * plan.cp * model.kv_heads * (
+        model.hidden / model.heads
+    ) / plan.tp * ACT_BYTES
+    cp_fwd_x = comm.all_gather_s(kv_msg, cp_group, cluster, params, tau)
+    cp_fwd = _overlap(attn_fwd, cp_fwd_x, kappa, tau) - attn_fwd
+    cp_bwd = _overlap(attn_bwd, 2.0 * cp_fwd_x, kappa, tau) - attn_bwd
+
+    ep_msg = workload.routed_tokens(model, plan) * model.hidden * ACT_BYTES
+    ep_fwd = 2.0 * comm.all_to_all_s(ep_msg, ep_group, cluster, params, tau)
+
+    def with_tp(comp, x):
+        serial = comp + x
+        return (1.0 - plan.overlap_tp) * serial + plan.overlap_tp * _overlap(comp, x, kappa, tau)
+
+    lay_fwd = with_tp(comp_fwd, tp_fwd)
+    lay_bwd = with_tp(comp_bwd, tp_fwd)
+    # recompute extra per mode: none, selective (attention core), full (whole forward)
+    recompute_extra = jnp.stack([0.0 * lay_fwd, attn_fwd, lay_fwd + cp_fwd + ep_fwd])
+    rec = jnp.sum(plan.recompute * recompute_extra)
+    tp_exposed_fwd = lay_fwd - comp_fwd
+    tp_exposed_bwd = lay_bwd - comp_bwd
+    rec_tp = plan.recompute[2] * tp_exposed_fwd
+    rec_comp = rec - rec_tp - plan.recompute[2] * (cp_fwd + ep_fwd)
+
+    # ZeRO-3: gather each layer's parameters (16-bit) forward and backward, scatter gradients.
+    dense_p, expert_p = workload.layer_params_local(model, plan)
+    ag_s = comm.all_gather_s(dense_p * WEIGHT_BYTES, dp_group, cluster, params, tau) + (
+        comm.all_gather_s(expert_p * WEIGHT_BYTES, edp_group, cluster, params, tau)
+    )
+    rs_s = comm.reduce_scatter_s(dense_p * FSDP_GRAD_BYTES, dp_group, cluster, params, tau) + (
+        comm.reduce_scatter_s(expert_p * FSDP_GRAD_BYTES, edp_group, cluster, params, tau)
+    )
+    fwd_core = lay_fwd + cp_fwd + ep_fwd
+    bwd_core = lay_bwd + cp_bwd + ep_fwd + rec
+    z3 = plan.zero[3]
+    zero_fwd = z3 * (_overlap(fwd_core, ag_s, kappa, tau) - fwd_core)
+    zero_bwd = z3 * (_overlap(bwd_core, ag_s + rs_s, kappa, tau) - bwd_core)
+
+    layer_parts_fwd = jnp.stack([comp_fwd, tp_exposed_fwd, cp_fwd, ep_fwd, zero_fwd])
+    layer_parts_bwd = jnp.stack(
+        [comp_bwd + rec_comp, tp_exposed_bwd + rec_tp, cp_bwd + plan.recompute[2] * cp_fwd,
+         ep_fwd + plan.recompute[2] * ep_fwd, zero_bwd]
+    )
+
+    # --- stages ------------------------------------------------------------------------------
+    layers = model.n_layers / plan.pp
+    t = workload.tokens(model, plan)
+    emb_fwd = kernels.memory_bound_s(2.0 * t * model.hidden * ACT_BYTES, cluster, params)
+    emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * GRAD_BYTES, cluster, params)
+    vocab_local = model.vocab / plan.tp
+    head_fwd = kernels.gemm_s(t, vocab_local, model.hidden, rate, cluster, params, tau)
+    head_bwd = kernels.gemm_s(t, model.hidden, vocab_local, rate, cluster, params, tau) + (
+        kernels.gemm_s(model.hidden, vocab_local, t, rate, cluster, params, tau)
+    )
+    loss_bytes = 3.0 * t * vocab_local * LOGIT_BYTES
+    loss_s = kernels.memory_bound_s(loss_bytes, cluster, params)
+    # vocab-parallel cross entropy: all-reduce of max and sum per token (small)
+    loss_comm = 2.0 * comm.all_reduce_s(t * 4.0, tp_group, cluster, params, tau)
+    head_total = head_fwd + head_bwd + 2.0 * loss_s + loss_comm
+    emb_total = emb_fwd + emb_bwd
+
+    single = smooth.smin2(plan.pp - 1.0, 1.0, tau)  # 0 with one stage, 1 with two or more
+    extra_first = emb_total + (1.0 - single) * head_total
+    extra_last = head_total
+    mid_fwd = layers * jnp.sum(layer_parts_fwd)
+    mid_bwd = layers * jnp.sum(layer_parts_bwd)
+    fwd = jnp.stack(
+        [mid_fwd + emb_fwd + (1 - single) * (head_fwd + loss_s), mid_fwd, mid_fwd + head_fwd + loss_s]
+    )
+    bwd = jnp.stack([mid_bwd + emb_bwd, mid_bwd, mid_bwd + head_bwd + loss_s + loss_comm]) + (
+        jnp.stack([(1 - single) * (head_bwd + loss_s + loss_comm), 0.0 * mid_bwd, 0.0 * mid_bwd])
+    )
+    layer_parts = layers * (layer_parts_fwd + layer_parts_bwd)
+    extras = jnp.stack([extra_first, 0.0 * extra_first, extra_last])
+    parts = jnp.concatenate(
+        [layer_parts[None, :].repeat(3, axis=0).at[:, 0].add(extras), jnp.zeros((3, 1))], axis=1
+    )
+
+    # --- pipeline sends ----------------------------------------------------------------------
+    p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
+    inter = 1.0 - (pp_group.per_node - 1.0) / jnp.maximum(plan.pp - 1.0, 1e-9) * (
+        smooth.smin2(plan.pp - 1.0, 1.0, tau)
+    )
+    inter = smooth.smooth_clip(inter, 0.0, 1.0, tau)
+    p2p = comm.send_recv_s(p2p_msg, inter, cluster, params)
+
+    # --- data-parallel gradient sync -----------------------------------------------------------
+    zero = plan.zero
+    grad_sync = lambda p, grp: (  # noqa: E731
+        zero[0] * comm.all_reduce_s(p * GRAD_BYTES, grp, cluster, params, tau)
+        + (zero[1] + zero[2]) * comm.reduce_scatter_s(p * GRAD_BYTES, grp, cluster, params, tau)
+    )
+    bucket = grad_sync(dense_p, dp_group) + grad_sync(expert_p, edp_group)
+    emb_params = model.vocab * model.hidden / plan.tp
+    emb_sync = grad_sync(emb_params, dp_group)
+    param_gather = (zero[1] + zero[2]) * (1.0 - plan.overlap_dp)
+    stage_params = layers * (dense_p + expert_p)
+    gather_after = param_gather * comm.all_gather_s(
+        stage_params * WEIGHT_BYTES, dp_group, cluster, params, tau
+    )
+    dp_after = jnp.stack([gather_after + emb_sync, gather_after, gather_after + emb_sync])
+    layer_bwd_last = jnp.sum(layer_parts_bwd)
+
+    # --- optimizer (the first stage holds the most parameters) --------------------------------
+    shard = 1.0 - zero[0]  # ZeRO >= 1 shards optimizer states
+    local_opt_params = layers * (
+        dense_p / (1.0 + shard * (plan.dp - 1.0)) + expert_p / (1.0 + shard * (plan.dp / plan.ep - 1.0))
+    ) + emb_params / (1.0 + shard * (plan.dp - 1.0))
+    optimizer = kernels.memory_bound_s(
+        local_opt_params * params.optimizer_bytes_per_param, cluster, params
+    )
+    return StageTimes(
+        fwd_s=fwd,
+        bwd_s=bwd,
+        parts=parts,
+        p2p_s=p2p,
+        dp_bucket_s=jnp.stack([bucket, bucket, bucket]),
+        dp_layers=layers,
+        layer_bwd_s=jnp.stack([layer_bwd_last] * 3),
+        dp_after_s=dp_after,
+        n_microbatches=plan.n_microbatches,
+        n_stages=plan.pp,
+        chunks=plan.chunks,
+        overlap_dp=plan.overlap_dp,
+        schedule=plan.schedule,
+        optimizer_s=optimizer,
+        overhead_s=params.iteration_overhead_s,
+    )
+
+
+def pipeline_time(st: StageTimes, temperature):
+    """Pipeline makespan, the bottleneck stage's soft weights, and the send fill/drain cost."""
+    work = st.fwd_s + st.bwd_s
+    w_max = smooth.smooth_max(work, temperature=temperature)
+    weights = jax.nn.softmax((work - w_max) / (temperature * jnp.mean(work) + 1e-30))
+    if temperature == 0:
+        weights = jax.nn.one_hot(jnp.argmax(work), 3, dtype=work.dtype)
+    p, m, v = st.n_stages, st.n_microbatches, st.chunks
+    sum_w = work[0] + work[2] + (p - 2.0) * work[1]
+    # with one stage, first == last: count it once
+    single = smooth.smin2(p - 1.0, 1.0, temperature)
+    sum_w = sum_w + (1.0 - single) * (work[1] - work[2])
+    sends = 2.0 * (p - 1.0) * st.p2p_s
+    flat = sum_w + (m - 1.0) * w_max + sends
+    interleaved = m * w_max + (sum_w - w_max) / v + sends
+    total = st.schedule[0] * flat + st.schedule[1] * flat + st.schedule[2] * interleaved
+    return total, weights, sends
+
+
+def dp_tail(st: StageTimes, temperature):
+    """Exposed gradient sync after the last backward on each stage kind: [3]."""
+    layers, c, b = st.dp_layers, st.dp_bucket_s, st.layer_bwd_s
+    overlapped = smooth.smax2(c, layers * c - (layers - 1.0) * b, temperature)
+    serial = layers * c
+    return st.overlap_dp * overlapped + (1.0 - st.overlap_dp) * serial + st.dp_after_s
+
+
+def memory(model, plan, cluster, temperature):
+    """Memory per stage kind (first, last): weights, grads, optimizer, activations, buffers."""
+    layers = model.n_layers / plan.pp
+    dense_p, expert_p = workload.layer_params_local(model, plan)
+    emb = model.vocab * model.hidden / plan.tp
+    single = smooth.smin2(plan.pp - 1.0, 1.0, temperature)
+    # Megatron keeps a copy of a tied embedding on the last stage when pp > 1.
+    head_last = single * emb * jnp.maximum(model.tied, 1.0 - model.tied)
+    head_first = (1.0 - single) * (1.0 - model.tied) * emb
+    dense_stage = layers * dense_p + jnp.stack([emb + head_first, head_last])
+    expert_stage = layers * expert_p * jnp.ones(2)
+    z = plan.zero
+    edp = plan.dp / plan.ep
+
+    def sharded(stage_from):  # divide by dp from ZeRO stage `stage_from` on
+        on = jnp.sum(z[stage_from:])
+        return dense_stage / (1.0 + on * (plan.dp - 1.0)) + expert_stage / (1.0 + on * (edp - 1.0))
+
+    weights = WEIGHT_BYTES * sharded(3)
+    grads = GRAD_BYTES * sharded(2)
+    opt = OPTIMIZER_STATE_BYTES * sharded(1)
+    # ZeRO-3 holds two gathered layers (current + prefetched)
+    weights = weights + z[3] * 2.0 * WEIGHT_BYTES * (dense_p + expert_p)
+
+    act_layer = jnp.sum(plan.recompute * workload.layer_activation_bytes(model, plan))
+    act_full = workload.layer_activation_bytes(model, plan)[0]
+    p, m, v = plan.pp, plan.n_microbatches, plan.chunks
+    in_flight_first = jnp.stack(
+        [m, smooth.smin2(p, m, temperature),
+         smooth.smin2(p * (1.0 + (p - 1.0) / (p * v)), m, temperature)]
+    )
+    in_flight_last = jnp.stack(
+        [m, jnp.ones_like(m), smooth.smin2(1.0 + (p - 1.0) / v, m, temperature)]
+    )
+    in_flight = jnp.stack(
+        [jnp.sum(plan.schedule * in_flight_first), jnp.sum(plan.schedule * in_flight_last)]
+    )
+    t = workload.tokens(model, plan)
+    logits = LOGIT_BYTES * 2.0 * t * model.vocab / plan.tp
+    act = layers * act_layer * in_flight + plan.recompute[2] * act_full
+    act = act + jnp.stack([(1.0 - single) * logits, logits])
+    p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
+    buffers = 4.0 * p2p_msg + 2.0 * smooth.smin2(GRAD_BYTES * layers * dense_p,
+                                                  DP_BUCKET_BYTES, temperature)
+    buffers = buffers * jnp.ones(2) + RUNTIME_RESERVE_BYTES
+    return weights, grads, opt, act, buffers
+
+
+def simulate(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays, params: Params,
+             temperature: float = smooth.DEFAULT_TEMPERATURE) -> Breakdown:
+    """Predict one training iteration.
+
+    Args:
+        model, plan, cluster: array pytrees (``diffcost.arrays``); batch with ``jax.vmap``.
+        params: calibratable constants.
+        temperature: relative softness of every max/min (static); 0 gives the exact model.
+
+    Returns:
+        A ``Breakdown``. Invalid plans get ``status = 2`` and finite numbers.
+
+    Examples:
+        >>> from diffcost import api
+        >>> b = api.predict("configs/examples/gpt-1b-vtrain.yaml")
+        >>> bool(b.iteration_s > 0)
+        True
+    """
+    st = stage_times(model, plan, cluster, params, temperature)
+    pipe, weights, sends = pipeline_time(st, temperature)
+    tails = dp_tail(st, temperature)
+    dp_exposed = tails[0]
+    iteration = pipe + dp_exposed + st.optimizer_s + st.overhead_s
+
+    m = st.n_microbatches
+    per_mb = weights @ st.parts  # bottleneck stage's per-microbatch composition
+    steady = m * per_mb
+    bubble = pipe - jnp.sum(steady) - sends
+
+    w, g, o, a, buf = memory(model, plan, cluster, temperature)
+    per_stage = w + g + o + a + buf
+    peak = smooth.smooth_max(per_stage, temperature=temperature)
+    cap = cluster.memory_bytes
+    excess = smooth.smooth_relu(peak - cap, cap, temperature)
+    valid = plan_is_valid(model, plan, cluster)
+    status = jnp.where(valid, jnp.where(peak > cap, STATUS_OOM, STATUS_OK), STATUS_INVALID)
+
+    flops = workload.model_flops_per_iteration(model, plan)
+    n_gpus = plan.n_gpus
+    peak_flops = jnp.sum(model.precision * cluster.peak_flops)
+    mfu = smooth.safe_div(flops, iteration * n_gpus * peak_flops)
+    return Breakdown(
+        iteration_s=iteration,
+        tokens_per_s=plan.global_batch * model.seq_len / iteration,
+        mfu=mfu,
+        compute_s=steady[0],
+        tp_comm_s=steady[1],
+        cp_comm_s=steady[2],
+        ep_comm_s=steady[3],
+        zero_comm_s=steady[4],
+        pp_comm_s=sends,
+        dp_comm_s=dp_exposed,
+        bubble_s=bubble,
+        optimizer_s=st.optimizer_s,
+        overhead_s=st.overhead_s,
+        weights_bytes=w,
+        grads_bytes=g,
+        optimizer_bytes=o,
+        activations_bytes=a,
+        buffers_bytes=buf,
+        memory_stage_bytes=per_stage,
+        memory_peak_bytes=peak,
+        memory_capacity_bytes=cap,
+        memory_excess_bytes=excess,
+        model_flops=flops,
+        status=status.astype(jnp.int32),
+    )

@@ -1,0 +1,115 @@
+"""Smooth surrogates for every non-smooth operation in the model.
+
+Each surrogate takes a ``temperature`` that is *relative*: the softness scales with the size of
+the inputs, so the same temperature works for microseconds and for minutes. Every surrogate
+approaches its exact counterpart as ``temperature -> 0`` (tested in ``tests/test_smooth.py``)
+and has finite gradients everywhere, including at ties and at zero.
+
+References:
+    jax-md ``safe_mask`` and optax's numerics for the double-``where`` pattern.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_TEMPERATURE = 1e-3
+# Floor for the softness scale, in the inputs' own units (seconds, bytes, counts): keeps the
+# scale strictly positive when every input is zero.
+_SCALE_FLOOR = 1e-12
+
+
+def _scale(x: jax.Array, axis) -> jax.Array:
+    """A smooth, positive magnitude of ``x`` along ``axis`` (mean of sqrt(x^2 + floor^2))."""
+    return jnp.mean(jnp.sqrt(jnp.square(x) + _SCALE_FLOOR**2), axis=axis, keepdims=True)
+
+
+def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
+    """Smooth maximum of ``x`` along ``axis``: ``tau * logsumexp(x / tau)``.
+
+    ``tau = temperature * mean|x|`` so the result is scale-equivariant. It is never below the
+    exact maximum and exceeds it by at most ``tau * log(n)``.
+
+    Args:
+        x: values, any shape.
+        axis: reduction axis.
+        temperature: relative softness; 0 gives the exact maximum.
+
+    Returns:
+        ``x`` reduced along ``axis``.
+    """
+    x = jnp.asarray(x)
+    if temperature == 0:
+        return jnp.max(x, axis=axis)
+    tau = temperature * _scale(x, axis)
+    m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    out = m + tau * jnp.log(jnp.sum(jnp.exp((x - m) / tau), axis=axis, keepdims=True))
+    return jnp.squeeze(out, axis=axis)
+
+
+def smooth_min(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
+    """Smooth minimum: ``-smooth_max(-x)``."""
+    return -smooth_max(-jnp.asarray(x), axis=axis, temperature=temperature)
+
+
+def smax2(a, b, temperature: float = DEFAULT_TEMPERATURE):
+    """Elementwise smooth maximum of two broadcastable arrays."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a), jnp.asarray(b))
+    return smooth_max(jnp.stack([a, b], axis=-1), axis=-1, temperature=temperature)
+
+
+def smin2(a, b, temperature: float = DEFAULT_TEMPERATURE):
+    """Elementwise smooth minimum of two broadcastable arrays."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a), jnp.asarray(b))
+    return smooth_min(jnp.stack([a, b], axis=-1), axis=-1, temperature=temperature)
+
+
+def smooth_relu(x, scale, temperature: float = DEFAULT_TEMPERATURE):
+    """Softplus ``max(x, 0)`` with softness ``temperature * scale`` (``scale`` > 0, x's units)."""
+    tau = temperature * scale
+    if temperature == 0:
+        return jnp.maximum(x, 0.0)
+    return tau * jax.nn.softplus(x / tau)
+
+
+def smooth_clip(x, lo, hi, temperature: float = DEFAULT_TEMPERATURE):
+    """Smooth ``clip(x, lo, hi)`` built from ``smax2`` and ``smin2``."""
+    return smin2(smax2(x, lo, temperature), hi, temperature)
+
+
+def smooth_step(x, scale, temperature: float = DEFAULT_TEMPERATURE):
+    """Sigmoid gate: ~0 for ``x << 0``, ~1 for ``x >> 0``; softness ``temperature * scale``."""
+    if temperature == 0:
+        return jnp.where(x > 0, 1.0, jnp.where(x < 0, 0.0, 0.5))
+    return jax.nn.sigmoid(x / (temperature * scale))
+
+
+def safe_div(num, den, eps: float = 1e-30):
+    """``num / den`` with a finite value and gradient where ``den == 0`` (double ``where``)."""
+    den = jnp.asarray(den)
+    ok = jnp.abs(den) > eps
+    safe_den = jnp.where(ok, den, 1.0)
+    return jnp.where(ok, num / safe_den, 0.0)
+
+
+def safe_log(x, eps: float = 1e-30):
+    """``log(x)`` clamped below at ``log(eps)`` with a finite gradient at 0."""
+    x = jnp.asarray(x)
+    ok = x > eps
+    return jnp.where(ok, jnp.log(jnp.where(ok, x, 1.0)), jnp.log(eps))
+
+
+def smooth_ceil(x, temperature: float = DEFAULT_TEMPERATURE):
+    """Smooth ``ceil``: the exact ceil at integers and away from them as temperature -> 0.
+
+    Uses ``floor(x) + sigmoid`` of the fractional part so that values just above an integer
+    round up; the gradient is that of the sigmoid, finite everywhere.
+    """
+    x = jnp.asarray(x)
+    if temperature == 0:
+        return jnp.ceil(x)
+    base = jax.lax.stop_gradient(jnp.floor(x))
+    frac = x - base
+    # frac in [0, 1): ceil adds 1 for any frac > 0.
+    return base + jax.nn.sigmoid((frac - 0.5 * temperature) / (0.1 * temperature))

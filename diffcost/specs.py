@@ -1,0 +1,128 @@
+"""Static descriptions of a model, a cluster and a parallelization plan.
+
+These are plain frozen dataclasses holding what a user writes in a config file, in the units of
+that file's keys. They are validated at load time (``diffcost.config``) and turned into array
+pytrees by ``diffcost.arrays`` before any numerics run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8", "fp4"]
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Mlp = Literal["gelu", "swiglu"]
+Norm = Literal["layernorm", "rmsnorm"]
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ZERO_STAGES = (0, 1, 2, 3)
+# Parallel dimensions that are laid out on the topology, in the order used by arrays.
+PLACED_DIMS = ("tp", "cp", "dp", "pp")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """Mixture-of-experts feed-forward: every layer's MLP is `experts` copies, `top_k` active."""
+
+    experts: int
+    top_k: int
+    capacity_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer.
+
+    GPT style: ``mlp="gelu"``, ``norm="layernorm"``, ``kv_heads == heads``, tied embeddings.
+    Llama style: ``mlp="swiglu"``, ``norm="rmsnorm"``, grouped-query attention
+    (``kv_heads < heads``), untied embeddings.
+    """
+
+    name: str
+    n_layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    vocab: int
+    mlp: Mlp = "gelu"
+    norm: Norm = "layernorm"
+    tied_embeddings: bool = True
+    bias: bool = True
+    precision: Precision = "bf16"
+    moe: MoeSpec | None = None
+    flash_attention: bool = True  # fused attention (no s x s scores in HBM), causal skipping
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator: peak dense FLOP/s per precision, HBM bandwidth and capacity."""
+
+    name: str
+    peak_tflops: dict[str, float]  # precision -> dense TFLOP/s (10^12 FLOP/s)
+    hbm_bandwidth_GBps: float  # 10^9 B/s
+    memory_GiB: float  # 2^30 B
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs in nodes; an NVLink/NVSwitch domain per node; NICs into a fat-tree fabric."""
+
+    name: str
+    gpu: GpuSpec
+    gpus_per_node: int
+    nvlink_GBps: float  # per GPU, both directions added (datasheet convention)
+    nvlink_latency_us: float
+    nics_per_node: int
+    nic_Gbps: float  # per NIC, one direction, 10^9 bit/s
+    nic_latency_us: float
+    oversubscription: float = 1.0  # fat-tree: bisection is divided by this
+    description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+    """How the work is split.  ``n_gpus = dp * tp * pp * cp``; ``ep`` divides ``dp``.
+
+    ``order`` lists the placed dimensions innermost first: the first one's ranks are adjacent
+    on the topology (same node when it fits).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: Recompute = "none"
+    microbatch: int = 1
+    global_batch: int = 1
+    schedule: Schedule = "1f1b"
+    chunks: int = 1  # virtual pipeline stages per rank (interleaved schedule)
+    overlap_dp: bool = True
+    overlap_tp: bool = False
+    order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def n_microbatches(self) -> float:
+        return self.global_batch / (self.dp * self.microbatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Model, cluster and plan together: what ``diffcost predict`` evaluates."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: PlanSpec
+    source: str = ""  # file it came from, for messages

@@ -1,0 +1,281 @@
+"""Validate predictions against measured runs (CSV in the schema of shared/data/README.md).
+
+Blank cells mean "the source did not say". They are filled with the defaults a practitioner
+would assume for that framework (``FRAMEWORK_DEFAULTS`` and ``_fill_defaults``), and every
+filled value is reported per row. Rows that still cannot be represented are listed with the
+reason, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from diffcost import config as config_mod
+from diffcost.api import simulate_jit
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
+from diffcost.params import Params, default_params
+from diffcost.specs import ModelSpec, PlanSpec
+
+# Vocabulary of a model family when the source does not give it.
+VOCAB_DEFAULTS = (("llama3", 128256), ("llama-3", 128256), ("llama2", 32000), ("llama-2", 32000))
+GPT2_VOCAB = 50257
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameworkDefaults:
+    """What a framework does when a run's description leaves it out."""
+
+    sequence_parallel: bool  # with tp > 1
+    zero: int
+    recompute: str
+    flash_attention: bool
+    overlap_dp: bool
+    overlap_tp: bool  # with tp > 1
+
+
+_MCORE = FrameworkDefaults(True, 1, "none", True, True, True)
+FRAMEWORK_DEFAULTS = {
+    # Megatron-Core based (NeMo, Megatron-Bridge, Megatron-LM examples): SP on with tp > 1,
+    # distributed optimizer, TE fused attention, overlapped grad reduce and TP comm overlap.
+    "NeMo": _MCORE,
+    "Megatron-Bridge": _MCORE,
+    "Megatron-Core": _MCORE,
+    # Megatron-DeepSpeed (vTrain): no SP, no distributed optimizer, unfused softmax attention;
+    # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction).
+    "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", False, False, False),
+    "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", False, True, False),
+    "llm-foundry": FrameworkDefaults(False, 3, "none", True, True, False),
+    "torchtitan": FrameworkDefaults(False, 3, "none", True, True, False),
+    "Alpa": FrameworkDefaults(False, 0, "none", False, True, False),
+}
+GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", True, True, False)
+
+
+@dataclasses.dataclass
+class RowResult:
+    row: int  # 1-based data row
+    source: str
+    model: str
+    cluster: str
+    measured_iter_s: float | None
+    predicted_iter_s: float | None = None
+    ape_pct: float | None = None
+    status: str | None = None
+    skipped: str | None = None
+    defaults: list[str] = dataclasses.field(default_factory=list)
+
+
+def _framework_defaults(framework: str) -> FrameworkDefaults:
+    for key, value in FRAMEWORK_DEFAULTS.items():
+        if key.lower() in framework.lower():
+            return value
+    return GENERIC_DEFAULTS
+
+
+def _int(row, key) -> int | None:
+    v = row.get(key, "").strip()
+    return int(float(v)) if v else None
+
+
+class _Skip(Exception):
+    pass
+
+
+def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, object, list[str]]:
+    """(model, plan, cluster, defaults used) for one CSV row, or raise _Skip(reason)."""
+    used: list[str] = []
+    name = row.get("model", "")
+    lname = name.lower().replace(" ", "")
+    fw = _framework_defaults(row.get("framework", ""))
+    shape = {k: _int(row, k) for k in ("n_layers", "hidden", "heads", "seq_len")}
+    missing = [k for k, v in shape.items() if v is None]
+    if missing:
+        raise _Skip(f"architecture not given by the source: {', '.join(missing)}")
+    cname = row.get("cluster", "").strip()
+    if cname not in cluster_cache:
+        try:
+            cluster_cache[cname] = config_mod.load_cluster(cname)
+        except config_mod.ConfigError as e:
+            cluster_cache[cname] = e
+    cluster = cluster_cache[cname]
+    if isinstance(cluster, Exception):
+        raise _Skip(f"no cluster preset '{cname}'")
+
+    ffn = _int(row, "ffn_hidden")
+    if ffn is None:
+        ffn = 4 * shape["hidden"]
+        used.append("ffn_hidden=4*hidden")
+    kv = _int(row, "kv_heads")
+    if kv is None:
+        kv = shape["heads"]
+        used.append("kv_heads=heads")
+    vocab = _int(row, "vocab")
+    if vocab is None:
+        vocab = next((v for key, v in VOCAB_DEFAULTS if key in lname), GPT2_VOCAB)
+        used.append(f"vocab={vocab}")
+    precision = row.get("precision", "").strip()
+    if not precision:
+        precision = "bf16" if "bf16" in cluster.gpu.peak_tflops else "fp16"
+        used.append(f"precision={precision}")
+    if precision not in cluster.gpu.peak_tflops:
+        have = ", ".join(sorted(cluster.gpu.peak_tflops))
+        raise _Skip(f"precision {precision} has no peak on {cname} (has: {have})")
+    llama = "llama" in lname
+    model = ModelSpec(
+        name=name,
+        n_layers=shape["n_layers"],
+        hidden=shape["hidden"],
+        ffn_hidden=ffn,
+        heads=shape["heads"],
+        kv_heads=kv,
+        seq_len=shape["seq_len"],
+        vocab=vocab,
+        mlp="swiglu" if llama else "gelu",
+        norm="rmsnorm" if llama else "layernorm",
+        tied_embeddings=not llama,
+        bias=not (llama or "mpt" in lname),
+        precision=precision,
+        flash_attention=fw.flash_attention,
+    )
+    used.append(f"flash_attention={fw.flash_attention}")
+
+    tp, pp, cp, ep = (_int(row, k) or 1 for k in ("tp", "pp", "cp", "ep"))
+    n_gpus = _int(row, "n_gpus")
+    dp = _int(row, "dp") or (n_gpus // (tp * pp * cp) if n_gpus else None)
+    mb, gb = _int(row, "microbatch"), _int(row, "global_batch")
+    if dp is None or mb is None or gb is None:
+        raise _Skip("data-parallel size, microbatch or global batch not given")
+    if n_gpus is not None and dp * tp * pp * cp != n_gpus:
+        raise _Skip(f"dp*tp*pp*cp = {dp * tp * pp * cp} differs from n_gpus = {n_gpus}")
+    sp_cell = row.get("sp", "").strip()
+    if sp_cell:
+        sp = sp_cell == "1"
+    else:
+        sp = fw.sequence_parallel and tp > 1
+        used.append(f"sequence_parallel={sp}")
+    zero = _int(row, "zero")
+    if zero is None:
+        zero = fw.zero
+        used.append(f"zero={zero}")
+    recompute = row.get("recompute", "").strip()
+    if not recompute:
+        recompute = fw.recompute
+        used.append(f"recompute={recompute}")
+    chunks = _int(row, "interleave_chunks")
+    if chunks is None:
+        chunks = 1
+        used.append("interleave_chunks=1")
+    schedule = "interleaved" if chunks > 1 else "1f1b"
+    plan = PlanSpec(
+        tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sp, zero=zero,
+        recompute=recompute, microbatch=mb, global_batch=gb, schedule=schedule, chunks=chunks,
+        overlap_dp=fw.overlap_dp, overlap_tp=fw.overlap_tp and tp > 1,
+    )
+    used.append(f"overlap_dp={fw.overlap_dp}")
+    if n_micro := gb / (dp * mb):
+        if abs(n_micro - round(n_micro)) > 1e-9:
+            used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
+    if model.n_layers % (pp * chunks):
+        used.append(f"layers per stage={model.n_layers / (pp * chunks):.3g} (uneven split)")
+    problems = config_mod.check_plan(model, cluster, plan, n_gpus=n_gpus, strict=False)
+    if problems:
+        raise _Skip("; ".join(problems))
+    return model, plan, cluster, used
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """Rows of a measurement CSV; errors name the file and line."""
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        required = {"source", "cluster", "measured_iter_s"}
+        missing = required - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: line 1: missing columns {sorted(missing)}")
+        return list(reader)
+
+
+def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Kendall's tau-b between two sequences (None with fewer than two pairs)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 2:
+        return None
+    dx = np.sign(x[:, None] - x[None, :])
+    dy = np.sign(y[:, None] - y[None, :])
+    iu = np.triu_indices(len(x), 1)
+    dx, dy = dx[iu], dy[iu]
+    concordant = np.sum(dx * dy)
+    denom = math.sqrt(np.sum(dx != 0) * np.sum(dy != 0))
+    return float(concordant / denom) if denom else None
+
+
+def _summary(results: list[RowResult]) -> dict:
+    done = [r for r in results if r.predicted_iter_s is not None and r.measured_iter_s]
+    apes = [r.ape_pct for r in done]
+    return {
+        "rows": len(results),
+        "predicted": len(done),
+        "skipped": len(results) - len(done),
+        "mape_pct": float(np.mean(apes)) if apes else None,
+        "max_ape_pct": float(np.max(apes)) if apes else None,
+        "kendall_tau": kendall_tau(
+            [r.measured_iter_s for r in done], [r.predicted_iter_s for r in done]
+        ),
+    }
+
+
+def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
+    """Predict every row of a measurement CSV; per-row and per-source errors.
+
+    Returns:
+        ``{"summary": {...}, "by_source": {name: {...}}, "rows": [...]}`` with the keys
+        documented in the README (``rows``, ``predicted``, ``skipped``, ``mape_pct``,
+        ``max_ape_pct``, ``kendall_tau``).
+    """
+    params = default_params() if params is None else params
+    rows = read_rows(path)
+    results: list[RowResult] = []
+    batch = []
+    cache: dict = {}
+    for i, row in enumerate(rows, start=1):
+        measured = row.get("measured_iter_s", "").strip()
+        r = RowResult(
+            row=i, source=row.get("source", ""), model=row.get("model", ""),
+            cluster=row.get("cluster", ""), measured_iter_s=float(measured) if measured else None,
+        )
+        results.append(r)
+        try:
+            model, plan, cluster, used = _row_to_specs(row, cache)
+        except _Skip as e:
+            r.skipped = str(e)
+            continue
+        r.defaults = used
+        batch.append((r, model_arrays(model), plan_arrays(plan), cluster_arrays(cluster)))
+    if batch:
+        models = stack([b[1] for b in batch])
+        plans = stack([b[2] for b in batch])
+        clusters = stack([b[3] for b in batch])
+        run = jax.vmap(lambda m, p, c: simulate_jit(m, p, c, params))
+        out = jax.tree_util.tree_map(np.asarray, run(models, plans, clusters))
+        from diffcost.simulate import STATUS_NAMES
+
+        for j, (r, *_rest) in enumerate(batch):
+            pred = float(out.iteration_s[j])
+            r.predicted_iter_s = pred
+            r.status = STATUS_NAMES[int(out.status[j])]
+            if r.measured_iter_s:
+                r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
+    by_source: dict[str, list[RowResult]] = {}
+    for r in results:
+        by_source.setdefault(r.source, []).append(r)
+    return {
+        "summary": _summary(results),
+        "by_source": {k: _summary(v) for k, v in by_source.items()},
+        "rows": [dataclasses.asdict(r) for r in results],
+    }
