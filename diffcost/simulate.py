@@ -195,8 +195,10 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     attn_bwd = attn_fwd * (model.flash * ATTN_BWD_FACTOR_FLASH + (1 - model.flash) * ATTN_BWD_FACTOR)
     elem_fwd = kernels.memory_bound_s(workload.elementwise_bytes(model, plan), cluster, params)
     launch = workload.KERNELS_PER_LAYER_FWD * params.kernel_overhead_s
-    comp_fwd = gemm_fwd + attn_fwd + elem_fwd + launch
-    comp_bwd = gemm_bwd + attn_bwd + 2.0 * elem_fwd + 2.0 * launch
+    # The host dispatches ops asynchronously: a layer takes the longer of GPU and host time.
+    host = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s
+    comp_fwd = smooth.smax2(gemm_fwd + attn_fwd + elem_fwd + launch, host, tau)
+    comp_bwd = smooth.smax2(gemm_bwd + attn_bwd + 2.0 * elem_fwd + 2.0 * launch, 2.0 * host, tau)
 
     act_msg = workload.tokens(model, plan) * model.hidden * ACT_BYTES
     tp_sp = 2.0 * (

@@ -36,6 +36,10 @@ _SCORE_PASSES = 6.0
 _ELEMENTWISE_PASSES_H = 2 * 2.0 + 2 * 4.0
 # Kernels launched by one layer's forward (norms, GEMMs, attention, activation, residuals).
 KERNELS_PER_LAYER_FWD = 12.0
+# Framework ops the host dispatches for one layer's forward in eager PyTorch (Megatron's GPT
+# layer: norms, linears, bias adds, views and copies, softmax, dropout and its RNG tracker,
+# residual adds). Backward dispatches about twice as many.
+HOST_OPS_PER_LAYER_FWD = 50.0
 
 
 @struct.dataclass

@@ -1,0 +1,313 @@
+"""reference: an exact, event-driven simulation of one iteration, the oracle for the closed form.
+
+``diffcost.simulate`` composes an iteration in closed form from the repeated units in a
+``StageTimes``. This module unrolls the same execution graph task by task with hard maxima, in
+plain Python (no JAX), so tests can check the closed form against it:
+
+* every stage has a **compute stream** that runs its forward and backward tasks one at a time,
+  strictly in the order of the pipeline schedule (``stage_order``); a task starts once the
+  previous task on the stream has finished and its dependencies have arrived;
+* a forward needs the previous virtual stage's forward of the same microbatch, a backward the
+  next virtual stage's backward and its own forward; between two physical stages the
+  activation (or its gradient) is a **send** of ``p2p_s`` seconds of work on a link;
+* links are **fluid, processor-sharing** resources: the transfers active on a link share it
+  equally, and remaining work is recomputed at every event. Forward sends use the link
+  ``(src -> dst)``; backward sends leaving stage ``s`` use ``nic s``, which the stage's
+  data-parallel transfers use too;
+* every stage has a **DP stream**: the gradient buckets of its last backward (one per layer,
+  ``dp_bucket_s`` of work each) become ready at the layer cadence ``layer_bwd_s`` from the start
+  of that backward (at its end without ``overlap_dp``) and go FIFO, one at a time, on ``nic s``;
+  then ``dp_after_s`` of non-overlappable sync, once the stage's compute has ended too.
+
+Iteration = max over stages of max(compute end, DP end) + optimizer + overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_EPS = 1e-12  # a transfer is complete when less than this fraction of its work remains
+
+
+@dataclasses.dataclass
+class ReferenceResult:
+    """One unrolled iteration (seconds).
+
+    ``events`` (with ``record=True``) holds ``(track, name, start_s, dur_s)`` with tracks named
+    ``"stage <s>/compute"``, ``"stage <s>/p2p send"`` and ``"stage <s>/dp sync"``.
+    """
+
+    iteration_s: float
+    pipeline_s: float  # max over stages of the compute stream's end
+    dp_tail_s: float  # iteration - optimizer - overhead - pipeline
+    compute_end_s: list[float]  # per stage
+    stage_end_s: list[float]  # per stage: max(compute end, DP end)
+    events: list[tuple[str, str, float, float]] | None = None
+
+
+def schedule_name(st) -> str:
+    """The schedule a one-hot ``st.schedule`` selects."""
+    return SCHEDULES[int(np.argmax(np.asarray(st.schedule, dtype=float)))]
+
+
+def stage_order(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
+    """Compute-stream order of stage ``s``: a list of ``(F|B, microbatch, chunk)``."""
+    if schedule == "gpipe":  # all forwards, then all backwards
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if schedule == "1f1b":
+        # PipeDream-flush: warm up with the forwards the stages below still need, then one
+        # forward / one backward, then drain the backwards still owed.
+        w = min(p - s - 1, m)
+        order = [("F", i, 0) for i in range(w)]
+        for k in range(m - w):
+            order += [("F", w + k, 0), ("B", k, 0)]
+        return order + [("B", i, 0) for i in range(m - w, m)]
+    if schedule == "interleaved":
+        # Megatron-LM's forward_backward_pipelining_with_interleaving: "virtual microbatches"
+        # k = 0 .. m v - 1 go through the chunks in groups of p microbatches; backwards visit
+        # the chunks in reverse. Stage s warms up with 2 (p - s - 1) + (v - 1) p forwards (all
+        # of them when m == p), then alternates forward k + warmup / backward k, then drains.
+        if m % p:
+            raise ValueError(f"interleaved needs microbatches ({m}) divisible by stages ({p})")
+        total = m * v
+
+        def unit(k, forward):
+            chunk = (k // p) % v
+            return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+
+        def fwd(k):
+            c, i = unit(k, True)
+            return ("F", i, c)
+
+        def bwd(k):
+            c, i = unit(k, False)
+            return ("B", i, c)
+
+        warm = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
+        order = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            order += [fwd(k + warm), bwd(k)]
+        return order + [bwd(k) for k in range(total - warm, total)]
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+
+
+class _Links:
+    """Fluid links: the transfers active on a link progress at ``1 / n_active`` each."""
+
+    def __init__(self):
+        self.active: dict[str, list[list]] = {}  # link -> [[remaining, work, on_done], ...]
+
+    def start(self, link: str, work: float, on_done: Callable[[], None]) -> None:
+        self.active.setdefault(link, []).append([work, work, on_done])
+
+    def next_time(self, now: float) -> float:
+        t = math.inf
+        for xs in self.active.values():
+            if xs:
+                t = min(t, now + min(x[0] for x in xs) * len(xs))
+        return t
+
+    def advance(self, dt: float) -> list[Callable[[], None]]:
+        """Progress every transfer by ``dt``; return the callbacks of those that finished."""
+        done = []
+        for link, xs in self.active.items():
+            if not xs:
+                continue
+            for x in xs:
+                x[0] -= dt / len(xs)
+            keep = [x for x in xs if x[0] > _EPS * x[1]]
+            done += [x[2] for x in xs if x[0] <= _EPS * x[1]]
+            self.active[link] = keep
+        return done
+
+
+def simulate_reference(st, schedule: str | None = None, record: bool = False,
+                       dp_buckets: str = "per_chunk") -> ReferenceResult:
+    """Unroll one iteration of a concrete ``StageTimes`` event by event.
+
+    Args:
+        st: a ``diffcost.simulate.StageTimes`` (or anything with its fields) of concrete values.
+        schedule: "gpipe", "1f1b" or "interleaved"; the argmax of ``st.schedule`` if None.
+        record: keep every task and transfer as ``(track, name, start_s, dur_s)``.
+        dp_buckets: interleaved only. "final_task": all ``dp_layers`` buckets follow the cadence
+            from the start of the stage's final task (the last microbatch's chunk-0 backward),
+            continuing past its end. "per_chunk": the last backward of each chunk emits that
+            chunk's ``dp_layers / v`` buckets from its own start.
+
+    Returns:
+        A ``ReferenceResult``.
+    """
+    f = lambda x: np.asarray(x, dtype=float)  # noqa: E731
+    fwd, bwd = f(st.fwd_s), f(st.bwd_s)
+    bucket, layer_bwd, after = f(st.dp_bucket_s), f(st.layer_bwd_s), f(st.dp_after_s)
+    p2p = float(f(st.p2p_s))
+    p = int(round(float(f(st.n_stages))))
+    m = int(round(float(f(st.n_microbatches))))
+    n_buckets = int(round(float(f(st.dp_layers))))
+    overlap = float(f(st.overlap_dp)) >= 0.5
+    schedule = schedule or schedule_name(st)
+    v = int(round(float(f(st.chunks)))) if schedule == "interleaved" else 1
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need stages, microbatches and chunks >= 1, got {p}, {m}, {v}")
+    if dp_buckets not in ("final_task", "per_chunk"):
+        raise ValueError(f"unknown dp_buckets {dp_buckets!r}")
+    n_virtual = p * v
+
+    def kind(s):  # index into the [3] arrays; a single stage is "first" (it holds the head)
+        return 0 if s == 0 else (2 if s == p - 1 else 1)
+
+    orders = [stage_order(schedule, s, p, m, v) for s in range(p)]
+    # emit[s]: {position in the order: buckets} for the backwards whose gradients are synced:
+    # the stage's final task, or (per_chunk) the last backward of each chunk.
+    emit = [{len(order) - 1: n_buckets} for order in orders]
+    if schedule == "interleaved" and dp_buckets == "per_chunk":
+        for s, order in enumerate(orders):
+            last = {c: pos for pos, (kd, _, c) in enumerate(order) if kd == "B"}
+            emit[s] = {last[c]: n_buckets // v + (c < n_buckets % v) for c in range(v)}
+
+    # pending[(F|B, i, j)]: dependencies not yet arrived for microbatch i, virtual stage j.
+    pending = {}
+    for i in range(m):
+        for j in range(n_virtual):
+            pending[("F", i, j)] = int(j > 0)
+            pending[("B", i, j)] = 1 + int(j < n_virtual - 1)
+
+    events = [] if record else None
+    heap: list = []
+    seq = itertools.count()
+    links = _Links()
+    now = 0.0
+    nxt = [0] * p  # next position in each stage's order
+    busy = [False] * p
+    compute_end = [0.0] * p
+    dp_end = [0.0] * p
+    dp_queue = [0] * p  # ready buckets waiting on the DP stream
+    dp_busy = [False] * p
+    dp_left = [sum(e.values()) for e in emit]  # buckets not yet synced
+    dp_after_done = [False] * p
+    dirty = set(range(p))
+
+    def at(t, fn):
+        heapq.heappush(heap, (t, next(seq), fn))
+
+    def arrive(key):
+        pending[key] -= 1
+        dirty.add(key[2] % p)
+
+    def transfer(link, work, track, name, on_done):
+        t0 = now
+
+        def done():
+            if record:
+                events.append((track, name, t0, now - t0))
+            on_done()
+
+        if work <= 0.0:
+            done()
+        else:
+            links.start(link, work, done)
+
+    def finish_task(s, pos, kd, i, j, t0):
+        busy[s] = False
+        compute_end[s] = now
+        dirty.add(s)
+        if record:
+            c = j // p
+            events.append((f"stage {s}/compute", f"{kd}{i}" + (f".c{c}" if v > 1 else ""),
+                           t0, now - t0))
+        if kd == "F":
+            arrive(("B", i, j))
+            if j + 1 < n_virtual:
+                dst = (j + 1) % p
+                if dst == s:
+                    arrive(("F", i, j + 1))
+                else:
+                    transfer(f"{s}->{dst}", p2p, f"stage {s}/p2p send", f"F{i} -> {dst}",
+                             lambda: arrive(("F", i, j + 1)))
+        elif j > 0:
+            dst = (j - 1) % p
+            if dst == s:
+                arrive(("B", i, j - 1))
+            else:
+                transfer(f"nic {s}", p2p, f"stage {s}/p2p send", f"B{i} -> {dst}",
+                         lambda: arrive(("B", i, j - 1)))
+        if not overlap:  # every bucket is ready when the backward ends
+            dp_queue[s] += emit[s].get(pos, 0)
+
+    def bucket_ready(s):
+        dp_queue[s] += 1
+        dirty.add(s)
+
+    def dp_done(s, is_bucket):
+        dp_busy[s] = False
+        dp_end[s] = now
+        if is_bucket:
+            dp_left[s] -= 1
+        dirty.add(s)
+
+    def try_start(s):
+        # compute stream
+        if not busy[s] and nxt[s] < len(orders[s]):
+            kd, i, c = orders[s][nxt[s]]
+            j = c * p + s
+            if pending[(kd, i, j)] == 0:
+                busy[s] = True
+                nxt[s] += 1
+                k = kind(s)
+                dur = (fwd[k] if kd == "F" else bwd[k]) / v
+                t0, pos = now, nxt[s] - 1
+                at(now + dur, lambda: finish_task(s, pos, kd, i, j, t0))
+                if overlap:  # one bucket per layer, at the layer cadence from the start
+                    for b in range(1, emit[s].get(pos, 0) + 1):
+                        at(now + b * layer_bwd[k], lambda: bucket_ready(s))
+        # DP stream: buckets FIFO, then the non-overlappable sync after compute has ended
+        if not dp_busy[s]:
+            k = kind(s)
+            if dp_queue[s]:
+                dp_queue[s] -= 1
+                dp_busy[s] = True
+                n = dp_left[s]
+                transfer(f"nic {s}", bucket[k], f"stage {s}/dp sync", f"bucket {n}",
+                         lambda: dp_done(s, True))
+            elif dp_left[s] == 0 and nxt[s] == len(orders[s]) and not busy[s] \
+                    and not dp_after_done[s]:
+                dp_after_done[s] = True
+                dp_busy[s] = True
+                dp_end[s] = max(dp_end[s], now)
+                transfer(f"nic {s}", after[k], f"stage {s}/dp sync", "dp after",
+                         lambda: dp_done(s, False))
+
+    while True:
+        while dirty:
+            try_start(dirty.pop())
+        t = min(heap[0][0] if heap else math.inf, links.next_time(now))
+        if t == math.inf:
+            break
+        callbacks = links.advance(t - now)
+        now = t
+        for cb in callbacks:
+            cb()
+        while heap and heap[0][0] <= now:
+            heapq.heappop(heap)[2]()
+
+    if any(nxt[s] < len(orders[s]) for s in range(p)) or any(not d for d in dp_after_done):
+        raise RuntimeError(f"deadlock: schedule {schedule!r} stopped at positions {nxt}")
+    stage_end = [max(compute_end[s], dp_end[s]) for s in range(p)]
+    pipeline = max(compute_end)
+    finish = max(stage_end)
+    extra = float(f(st.optimizer_s)) + float(f(st.overhead_s))
+    return ReferenceResult(
+        iteration_s=finish + extra,
+        pipeline_s=pipeline,
+        dp_tail_s=finish - pipeline,
+        compute_end_s=compute_end,
+        stage_end_s=stage_end,
+        events=events,
+    )
