@@ -30,28 +30,47 @@ from diffcost.params import Params
 
 _ZERO_BYTES = 1.0  # a message below ~1 byte is treated as absent (smooth gate)
 _TREE_BW_PENALTY = 1.5
+_TINY = 1e-9
 
 
 @struct.dataclass
 class Placement:
-    """Where one group of a parallel dimension sits: ``size`` ranks, ``per_node`` per node."""
+    """Where one group of a parallel dimension sits: ``size`` ranks, ``per_node`` per node.
+
+    ``intra_share`` and ``inter_share`` are ``(per_node - 1) / (size - 1)`` and
+    ``(nodes - 1) / (size - 1)``: how each rank added to the group splits between a node's
+    NVLink domain and new nodes. At ``size == 1`` they take their limits as the group grows,
+    so that costs written as ``(size - 1) * rate`` have the right derivative at one rank.
+    """
 
     size: object
     per_node: object
+    intra_share: object
+    inter_share: object
 
     @property
     def nodes(self):
         return self.size / self.per_node
 
 
-def place(degree, stride, gpus_per_node, temperature: float) -> Placement:
+def place(degree, stride, gpus_per_node) -> Placement:
     """Placement of a group of ``degree`` ranks spaced ``stride`` apart in the rank order.
 
     Ranks are numbered node by node; a group whose ranks are ``stride`` apart has
     ``gpus_per_node / stride`` of them in one node, at least 1 and at most ``degree``.
+    The clip is piecewise linear (``smooth.clip_exact``): a group of one rank, or one that fits
+    in a node, must have exactly no inter-node traffic, which a smooth clip would blur at the
+    boundaries where discrete plans sit.
     """
-    per_node = smooth.smooth_clip(gpus_per_node / stride, 1.0, degree, temperature)
-    return Placement(size=degree, per_node=per_node)
+    fit = gpus_per_node / stride
+    per_node = smooth.clip_exact(fit, 1.0, degree)
+    grown = degree - 1.0
+    ok = grown > _TINY
+    den = jnp.where(ok, grown, 1.0)
+    limit_intra = jnp.where(fit > 1.0, 1.0, 0.0)  # a second rank lands in the same node?
+    intra = jnp.where(ok, (per_node - 1.0) / den, limit_intra)
+    inter = jnp.where(ok, (degree / per_node - 1.0) / den, 1.0 - limit_intra)
+    return Placement(size=degree, per_node=per_node, intra_share=intra, inter_share=inter)
 
 
 def _links(cluster: ClusterArrays, params: Params):
@@ -91,33 +110,45 @@ def reduce_scatter_s(msg_bytes, group, cluster, params, temperature):
 all_gather_s = reduce_scatter_s
 
 
+def _log2_ratio(n):
+    """``log2(n) / (n - 1)``, equal to ``1 / ln 2`` at ``n = 1`` (double ``where``)."""
+    d = n - 1.0
+    ok = jnp.abs(d) > 1e-6
+    safe = jnp.where(ok, d, 1.0)
+    return jnp.where(ok, jnp.log2(jnp.where(ok, n, 2.0)) / safe, (1.0 - 0.5 * d) / jnp.log(2.0))
+
+
 def _collective_s(msg_bytes, group: Placement, cluster, params, temperature, factor):
+    """Every algorithm costs ``(n - 1) * rate``; NCCL's choice is a smooth min of the rates.
+
+    Factoring out ``n - 1`` makes a one-rank group cost exactly zero and gives the gradient at
+    ``n = 1`` as the derivative from the feasible side (``n >= 1``).
+    """
     nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params)
     n, k = group.size, group.per_node
     nodes = group.nodes
-    intra_frac = (k - 1.0) / k  # (k-1)/k of the buffer moves inside a node
-    inter_frac = (nodes - 1.0) / nodes  # (N-1)/N of the per-rank share crosses nodes
     present = _present(msg_bytes)
     # Hierarchical: intra-node RS/AG + inter-node ring on 1/k of the data per NIC share.
     hier = factor * (
-        intra_frac * _transfer(msg_bytes, nvl_Bps, params)
-        + inter_frac * _transfer(msg_bytes / k, nic_Bps, params)
-    ) + factor * present * ((k - 1.0) * nvl_lat + (nodes - 1.0) * nic_lat)
-    # Flat ring: every step limited by the slowest hop; inter-node hops get k NIC shares.
-    crosses = smooth.smin2(1.0, 2.0 * inter_frac, temperature)  # 0 in one node, 1 across nodes
-    ring_Bps = 1.0 / ((1.0 - crosses) / nvl_Bps + crosses / smooth.smin2(nvl_Bps, k * nic_Bps,
-                                                                          temperature))
-    lat = nvl_lat + (nic_lat - nvl_lat) * crosses
-    ring = factor * (n - 1.0) / n * _transfer(msg_bytes, ring_Bps, params) + factor * present * (
-        n - 1.0
-    ) * lat
-    # Tree: log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth.
-    depth = jnp.log2(n)
-    tree = factor * (n - 1.0) / n * _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY + (
-        factor * present * depth * lat
+        group.intra_share / k * _transfer(msg_bytes, nvl_Bps, params)
+        + group.inter_share / nodes * _transfer(msg_bytes / k, nic_Bps, params)
+        + present * (group.intra_share * nvl_lat + group.inter_share * nic_lat)
     )
-    algos = jnp.stack([hier, ring, tree], axis=-1)
-    return smooth.smooth_min(algos, axis=-1, temperature=temperature)
+    # Flat ring: every step limited by the slowest hop; inter-node hops get k NIC shares.
+    inter_frac = (nodes - 1.0) / nodes
+    crosses = jnp.minimum(2.0 * inter_frac, 1.0)  # 0 in one node, 1 across nodes
+    ring_Bps = 1.0 / (
+        (1.0 - crosses) / nvl_Bps + crosses / smooth.smin2(nvl_Bps, k * nic_Bps, temperature)
+    )
+    lat = nvl_lat + (nic_lat - nvl_lat) * crosses
+    ring = factor * (_transfer(msg_bytes, ring_Bps, params) / n + present * lat)
+    # Tree: log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth.
+    tree = factor * (
+        _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY / n
+        + present * _log2_ratio(n) * lat
+    )
+    rates = jnp.stack([hier, ring, tree], axis=-1)
+    return (n - 1.0) * smooth.smooth_min(rates, axis=-1, temperature=temperature)
 
 
 def all_to_all_s(msg_bytes, group: Placement, cluster, params, temperature):

@@ -132,6 +132,14 @@ def _overlap(compute, comm_s, kappa, temperature):
     return smooth.smax2(compute + kappa * both, comm_s + kappa * both, temperature)
 
 
+def _multi_stage(pp):
+    """0 with one pipeline stage, 1 with two or more (linear in between; pp >= 1).
+
+    Only the upper clip: at pp = 1 the gradient is the derivative towards more stages.
+    """
+    return jnp.minimum(pp - 1.0, 1.0)
+
+
 def _strides(plan: PlanArrays):
     """Stride of each placed dimension (tp, cp, dp, pp) in the rank numbering."""
     degrees = jnp.stack([plan.tp, plan.cp, plan.dp, plan.pp])
@@ -166,12 +174,12 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     kappa = params.interference
     gpn = cluster.gpus_per_node
     tp_stride, cp_stride, dp_stride, pp_stride = _strides(plan)
-    tp_group = comm.place(plan.tp, tp_stride, gpn, tau)
-    cp_group = comm.place(plan.cp, cp_stride, gpn, tau)
-    dp_group = comm.place(plan.dp, dp_stride, gpn, tau)
-    ep_group = comm.place(plan.ep, dp_stride, gpn, tau)
-    edp_group = comm.place(plan.dp / plan.ep, dp_stride * plan.ep, gpn, tau)
-    pp_group = comm.place(plan.pp, pp_stride, gpn, tau)
+    tp_group = comm.place(plan.tp, tp_stride, gpn)
+    cp_group = comm.place(plan.cp, cp_stride, gpn)
+    dp_group = comm.place(plan.dp, dp_stride, gpn)
+    ep_group = comm.place(plan.ep, dp_stride, gpn)
+    edp_group = comm.place(plan.dp / plan.ep, dp_stride * plan.ep, gpn)
+    pp_group = comm.place(plan.pp, pp_stride, gpn)
 
     # --- one layer, one microbatch -----------------------------------------------------------
     rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
@@ -192,13 +200,13 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
         kernels.memory_bound_s(attn_bytes * model.flash, cluster, params),
         tau,
     ) + kernels.memory_bound_s(attn_bytes * (1.0 - model.flash), cluster, params)
-    attn_bwd = attn_fwd * (model.flash * ATTN_BWD_FACTOR_FLASH + (1 - model.flash) * ATTN_BWD_FACTOR)
+    attn_bwd = attn_fwd * (
+        model.flash * ATTN_BWD_FACTOR_FLASH + (1 - model.flash) * ATTN_BWD_FACTOR
+    )
     elem_fwd = kernels.memory_bound_s(workload.elementwise_bytes(model, plan), cluster, params)
     launch = workload.KERNELS_PER_LAYER_FWD * params.kernel_overhead_s
-    # The host dispatches ops asynchronously: a layer takes the longer of GPU and host time.
-    host = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s
-    comp_fwd = smooth.smax2(gemm_fwd + attn_fwd + elem_fwd + launch, host, tau)
-    comp_bwd = smooth.smax2(gemm_bwd + attn_bwd + 2.0 * elem_fwd + 2.0 * launch, 2.0 * host, tau)
+    gpu_fwd = gemm_fwd + attn_fwd + elem_fwd + launch
+    gpu_bwd = gemm_bwd + attn_bwd + 2.0 * elem_fwd + 2.0 * launch
 
     act_msg = workload.tokens(model, plan) * model.hidden * ACT_BYTES
     tp_sp = 2.0 * (
@@ -206,31 +214,41 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
         + comm.reduce_scatter_s(act_msg, tp_group, cluster, params, tau)
     )
     tp_ar = 2.0 * comm.all_reduce_s(act_msg, tp_group, cluster, params, tau)
-    tp_fwd = plan.sp * tp_sp + (1.0 - plan.sp) * tp_ar  # same again in backward
+    tp_x = plan.sp * tp_sp + (1.0 - plan.sp) * tp_ar  # the same again in backward
 
-    kv_msg = 2.0 * workload.tokens(model, plan) * plan.cp * model.kv_heads * (
-        model.hidden / model.heads
-    ) / plan.tp * ACT_BYTES
-    cp_fwd_x = comm.all_gather_s(kv_msg, cp_group, cluster, params, tau)
-    cp_fwd = _overlap(attn_fwd, cp_fwd_x, kappa, tau) - attn_fwd
-    cp_bwd = _overlap(attn_bwd, 2.0 * cp_fwd_x, kappa, tau) - attn_bwd
+    kv_msg = (
+        2.0
+        * workload.tokens(model, plan)
+        * plan.cp
+        * model.kv_heads
+        * (model.hidden / model.heads)
+        / plan.tp
+        * ACT_BYTES
+    )
+    cp_x = comm.all_gather_s(kv_msg, cp_group, cluster, params, tau)
+    cp_fwd = _overlap(attn_fwd, cp_x, kappa, tau) - attn_fwd  # exposed K/V exchange
+    cp_bwd = _overlap(attn_bwd, 2.0 * cp_x, kappa, tau) - attn_bwd
 
     ep_msg = workload.routed_tokens(model, plan) * model.hidden * ACT_BYTES
-    ep_fwd = 2.0 * comm.all_to_all_s(ep_msg, ep_group, cluster, params, tau)
+    ep_x = 2.0 * comm.all_to_all_s(ep_msg, ep_group, cluster, params, tau)
 
     def with_tp(comp, x):
         serial = comp + x
         return (1.0 - plan.overlap_tp) * serial + plan.overlap_tp * _overlap(comp, x, kappa, tau)
 
-    lay_fwd = with_tp(comp_fwd, tp_fwd)
-    lay_bwd = with_tp(comp_bwd, tp_fwd)
+    # GPU stream of one layer: kernels, then exposed TP, CP and EP communication on it.
+    tp_fwd = with_tp(gpu_fwd, tp_x) - gpu_fwd
+    tp_bwd = with_tp(gpu_bwd, tp_x) - gpu_bwd
+    stream_fwd = gpu_fwd + tp_fwd + cp_fwd + ep_x
+    stream_bwd = gpu_bwd + tp_bwd + cp_bwd + ep_x
+    # The host dispatches ops asynchronously: a layer takes the longer of GPU and host time;
+    # host time the GPU stream does not cover counts as compute.
+    host = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s
+    lay_fwd = smooth.smax2(stream_fwd, host, tau)
+    lay_bwd = smooth.smax2(stream_bwd, 2.0 * host, tau)
     # recompute extra per mode: none, selective (attention core), full (whole forward)
-    recompute_extra = jnp.stack([0.0 * lay_fwd, attn_fwd, lay_fwd + cp_fwd + ep_fwd])
-    rec = jnp.sum(plan.recompute * recompute_extra)
-    tp_exposed_fwd = lay_fwd - comp_fwd
-    tp_exposed_bwd = lay_bwd - comp_bwd
-    rec_tp = plan.recompute[2] * tp_exposed_fwd
-    rec_comp = rec - rec_tp - plan.recompute[2] * (cp_fwd + ep_fwd)
+    full = plan.recompute[2]
+    rec = plan.recompute[1] * attn_fwd + full * lay_fwd
 
     # ZeRO-3: gather each layer's parameters (16-bit) forward and backward, scatter gradients.
     dense_p, expert_p = workload.layer_params_local(model, plan)
@@ -240,16 +258,22 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     rs_s = comm.reduce_scatter_s(dense_p * FSDP_GRAD_BYTES, dp_group, cluster, params, tau) + (
         comm.reduce_scatter_s(expert_p * FSDP_GRAD_BYTES, edp_group, cluster, params, tau)
     )
-    fwd_core = lay_fwd + cp_fwd + ep_fwd
-    bwd_core = lay_bwd + cp_bwd + ep_fwd + rec
+    bwd_core = lay_bwd + rec
     z3 = plan.zero[3]
-    zero_fwd = z3 * (_overlap(fwd_core, ag_s, kappa, tau) - fwd_core)
+    zero_fwd = z3 * (_overlap(lay_fwd, ag_s, kappa, tau) - lay_fwd)
     zero_bwd = z3 * (_overlap(bwd_core, ag_s + rs_s, kappa, tau) - bwd_core)
 
-    layer_parts_fwd = jnp.stack([comp_fwd, tp_exposed_fwd, cp_fwd, ep_fwd, zero_fwd])
+    comm_fwd = tp_fwd + cp_fwd + ep_x
+    comm_bwd = tp_bwd + cp_bwd + ep_x
+    layer_parts_fwd = jnp.stack([lay_fwd - comm_fwd, tp_fwd, cp_fwd, ep_x, zero_fwd])
     layer_parts_bwd = jnp.stack(
-        [comp_bwd + rec_comp, tp_exposed_bwd + rec_tp, cp_bwd + plan.recompute[2] * cp_fwd,
-         ep_fwd + plan.recompute[2] * ep_fwd, zero_bwd]
+        [
+            lay_bwd - comm_bwd + rec - full * comm_fwd,
+            tp_bwd + full * tp_fwd,
+            cp_bwd + full * cp_fwd,
+            ep_x * (1.0 + full),
+            zero_bwd,
+        ]
     )
 
     # --- stages ------------------------------------------------------------------------------
@@ -269,16 +293,20 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     head_total = head_fwd + head_bwd + 2.0 * loss_s + loss_comm
     emb_total = emb_fwd + emb_bwd
 
-    single = smooth.smin2(plan.pp - 1.0, 1.0, tau)  # 0 with one stage, 1 with two or more
-    extra_first = emb_total + (1.0 - single) * head_total
+    multi = _multi_stage(plan.pp)
+    extra_first = emb_total + (1.0 - multi) * head_total
     extra_last = head_total
     mid_fwd = layers * jnp.sum(layer_parts_fwd)
     mid_bwd = layers * jnp.sum(layer_parts_bwd)
     fwd = jnp.stack(
-        [mid_fwd + emb_fwd + (1 - single) * (head_fwd + loss_s), mid_fwd, mid_fwd + head_fwd + loss_s]
+        [
+            mid_fwd + emb_fwd + (1 - multi) * (head_fwd + loss_s),
+            mid_fwd,
+            mid_fwd + head_fwd + loss_s,
+        ]
     )
     bwd = jnp.stack([mid_bwd + emb_bwd, mid_bwd, mid_bwd + head_bwd + loss_s + loss_comm]) + (
-        jnp.stack([(1 - single) * (head_bwd + loss_s + loss_comm), 0.0 * mid_bwd, 0.0 * mid_bwd])
+        jnp.stack([(1 - multi) * (head_bwd + loss_s + loss_comm), 0.0 * mid_bwd, 0.0 * mid_bwd])
     )
     layer_parts = layers * (layer_parts_fwd + layer_parts_bwd)
     extras = jnp.stack([extra_first, 0.0 * extra_first, extra_last])
@@ -288,10 +316,8 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
 
     # --- pipeline sends ----------------------------------------------------------------------
     p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
-    inter = 1.0 - (pp_group.per_node - 1.0) / jnp.maximum(plan.pp - 1.0, 1e-9) * (
-        smooth.smin2(plan.pp - 1.0, 1.0, tau)
-    )
-    inter = smooth.smooth_clip(inter, 0.0, 1.0, tau)
+    # share of stage boundaries that cross nodes: (nodes - 1) of the (pp - 1) boundaries
+    inter = smooth.safe_div(pp_group.nodes - 1.0, plan.pp - 1.0)
     p2p = comm.send_recv_s(p2p_msg, inter, cluster, params)
 
     # --- data-parallel gradient sync -----------------------------------------------------------
@@ -314,7 +340,8 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     # --- optimizer (the first stage holds the most parameters) --------------------------------
     shard = 1.0 - zero[0]  # ZeRO >= 1 shards optimizer states
     local_opt_params = layers * (
-        dense_p / (1.0 + shard * (plan.dp - 1.0)) + expert_p / (1.0 + shard * (plan.dp / plan.ep - 1.0))
+        dense_p / (1.0 + shard * (plan.dp - 1.0))
+        + expert_p / (1.0 + shard * (plan.dp / plan.ep - 1.0))
     ) + emb_params / (1.0 + shard * (plan.dp - 1.0))
     optimizer = kernels.memory_bound_s(
         local_opt_params * params.optimizer_bytes_per_param, cluster, params
@@ -340,16 +367,20 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
 
 def pipeline_time(st: StageTimes, temperature):
     """Pipeline makespan, the bottleneck stage's soft weights, and the send fill/drain cost."""
-    work = st.fwd_s + st.bwd_s
-    w_max = smooth.smooth_max(work, temperature=temperature)
-    weights = jax.nn.softmax((work - w_max) / (temperature * jnp.mean(work) + 1e-30))
-    if temperature == 0:
-        weights = jax.nn.one_hot(jnp.argmax(work), 3, dtype=work.dtype)
     p, m, v = st.n_stages, st.n_microbatches, st.chunks
+    # stage kinds that exist: a middle stage from pp = 3, a distinct last stage from pp = 2
+    exists = jnp.stack([jnp.ones_like(p), smooth.clip_exact(p - 2.0, 0.0, 1.0), _multi_stage(p)])
+    work = st.fwd_s + st.bwd_s
+    w_max = smooth.smooth_max(work * exists, temperature=temperature)
+    if temperature == 0:
+        weights = jax.nn.one_hot(jnp.argmax(work * exists), 3, dtype=work.dtype)
+    else:
+        tau = temperature * jnp.mean(work * exists)
+        weights = jax.nn.softmax((work * exists - w_max) / tau)
     sum_w = work[0] + work[2] + (p - 2.0) * work[1]
     # with one stage, first == last: count it once
-    single = smooth.smin2(p - 1.0, 1.0, temperature)
-    sum_w = sum_w + (1.0 - single) * (work[1] - work[2])
+    multi = _multi_stage(p)
+    sum_w = sum_w + (1.0 - multi) * (work[1] - work[2])
     sends = 2.0 * (p - 1.0) * st.p2p_s
     flat = sum_w + (m - 1.0) * w_max + sends
     interleaved = m * w_max + (sum_w - w_max) / v + sends
@@ -370,10 +401,10 @@ def memory(model, plan, cluster, temperature):
     layers = model.n_layers / plan.pp
     dense_p, expert_p = workload.layer_params_local(model, plan)
     emb = model.vocab * model.hidden / plan.tp
-    single = smooth.smin2(plan.pp - 1.0, 1.0, temperature)
-    # Megatron keeps a copy of a tied embedding on the last stage when pp > 1.
-    head_last = single * emb * jnp.maximum(model.tied, 1.0 - model.tied)
-    head_first = (1.0 - single) * (1.0 - model.tied) * emb
+    multi = _multi_stage(plan.pp)
+    # The last stage holds the LM head: its own matrix, or Megatron's copy of a tied embedding.
+    head_last = multi * emb
+    head_first = (1.0 - multi) * (1.0 - model.tied) * emb
     dense_stage = layers * dense_p + jnp.stack([emb + head_first, head_last])
     expert_stage = layers * expert_p * jnp.ones(2)
     z = plan.zero
@@ -393,8 +424,11 @@ def memory(model, plan, cluster, temperature):
     act_full = workload.layer_activation_bytes(model, plan)[0]
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
     in_flight_first = jnp.stack(
-        [m, smooth.smin2(p, m, temperature),
-         smooth.smin2(p * (1.0 + (p - 1.0) / (p * v)), m, temperature)]
+        [
+            m,
+            smooth.smin2(p, m, temperature),
+            smooth.smin2(p * (1.0 + (p - 1.0) / (p * v)), m, temperature),
+        ]
     )
     in_flight_last = jnp.stack(
         [m, jnp.ones_like(m), smooth.smin2(1.0 + (p - 1.0) / v, m, temperature)]
@@ -405,16 +439,22 @@ def memory(model, plan, cluster, temperature):
     t = workload.tokens(model, plan)
     logits = LOGIT_BYTES * 2.0 * t * model.vocab / plan.tp
     act = layers * act_layer * in_flight + plan.recompute[2] * act_full
-    act = act + jnp.stack([(1.0 - single) * logits, logits])
+    act = act + jnp.stack([(1.0 - multi) * logits, logits])
     p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
-    buffers = 4.0 * p2p_msg + 2.0 * smooth.smin2(GRAD_BYTES * layers * dense_p,
-                                                  DP_BUCKET_BYTES, temperature)
+    buffers = 4.0 * p2p_msg + 2.0 * smooth.smin2(
+        GRAD_BYTES * layers * dense_p, DP_BUCKET_BYTES, temperature
+    )
     buffers = buffers * jnp.ones(2) + RUNTIME_RESERVE_BYTES
     return weights, grads, opt, act, buffers
 
 
-def simulate(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays, params: Params,
-             temperature: float = smooth.DEFAULT_TEMPERATURE) -> Breakdown:
+def simulate(
+    model: ModelArrays,
+    plan: PlanArrays,
+    cluster: ClusterArrays,
+    params: Params,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+) -> Breakdown:
     """Predict one training iteration.
 
     Args:
@@ -444,7 +484,8 @@ def simulate(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays, param
 
     w, g, o, a, buf = memory(model, plan, cluster, temperature)
     per_stage = w + g + o + a + buf
-    peak = smooth.smooth_max(per_stage, temperature=temperature)
+    has_last = _multi_stage(plan.pp)
+    peak = smooth.smooth_max(per_stage * jnp.stack([1.0, has_last]), temperature=temperature)
     cap = cluster.memory_bytes
     excess = smooth.smooth_relu(peak - cap, cap, temperature)
     valid = plan_is_valid(model, plan, cluster)

@@ -15,21 +15,14 @@ import jax
 import jax.numpy as jnp
 
 DEFAULT_TEMPERATURE = 1e-3
-# Floor for the softness scale, in the inputs' own units (seconds, bytes, counts): keeps the
-# scale strictly positive when every input is zero.
-_SCALE_FLOOR = 1e-12
-
-
-def _scale(x: jax.Array, axis) -> jax.Array:
-    """A smooth, positive magnitude of ``x`` along ``axis`` (mean of sqrt(x^2 + floor^2))."""
-    return jnp.mean(jnp.sqrt(jnp.square(x) + _SCALE_FLOOR**2), axis=axis, keepdims=True)
 
 
 def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
     """Smooth maximum of ``x`` along ``axis``: ``tau * logsumexp(x / tau)``.
 
     ``tau = temperature * mean|x|`` so the result is scale-equivariant. It is never below the
-    exact maximum and exceeds it by at most ``tau * log(n)``.
+    exact maximum and exceeds it by at most ``tau * log(n)``; where every input is zero it is
+    exactly zero (double ``where``, finite gradients).
 
     Args:
         x: values, any shape.
@@ -40,12 +33,15 @@ def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPER
         ``x`` reduced along ``axis``.
     """
     x = jnp.asarray(x)
+    exact = jnp.max(x, axis=axis)
     if temperature == 0:
-        return jnp.max(x, axis=axis)
-    tau = temperature * _scale(x, axis)
+        return exact
+    scale = jnp.mean(jnp.abs(x), axis=axis, keepdims=True)
+    ok = scale > 0
+    tau = temperature * jnp.where(ok, scale, 1.0)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     out = m + tau * jnp.log(jnp.sum(jnp.exp((x - m) / tau), axis=axis, keepdims=True))
-    return jnp.squeeze(out, axis=axis)
+    return jnp.where(jnp.squeeze(ok, axis=axis), jnp.squeeze(out, axis=axis), exact)
 
 
 def smooth_min(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
@@ -78,6 +74,16 @@ def smooth_clip(x, lo, hi, temperature: float = DEFAULT_TEMPERATURE):
     return smin2(smax2(x, lo, temperature), hi, temperature)
 
 
+def clip_exact(x, lo, hi):
+    """Piecewise-linear ``clip``: continuous, exact, with finite (sub)gradients everywhere.
+
+    For gates that must be exact at the integer points where discrete plans sit (a group of
+    one rank has no traffic; one pipeline stage has no sends). It is not used on the critical
+    path of a schedule, where ``smooth_max`` is.
+    """
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
 def smooth_step(x, scale, temperature: float = DEFAULT_TEMPERATURE):
     """Sigmoid gate: ~0 for ``x << 0``, ~1 for ``x >> 0``; softness ``temperature * scale``."""
     if temperature == 0:
@@ -103,8 +109,9 @@ def safe_log(x, eps: float = 1e-30):
 def smooth_ceil(x, temperature: float = DEFAULT_TEMPERATURE):
     """Smooth ``ceil``: the exact ceil at integers and away from them as temperature -> 0.
 
-    Uses ``floor(x) + sigmoid`` of the fractional part so that values just above an integer
-    round up; the gradient is that of the sigmoid, finite everywhere.
+    Uses ``floor(x) + sigmoid((frac - sqrt(T)) / T)`` of the fractional part: an integer maps
+    to itself up to ``sigmoid(-1/sqrt(T))`` and anything more than ``~sqrt(T)`` above it rounds
+    up; the gradient is that of the sigmoid, finite everywhere.
     """
     x = jnp.asarray(x)
     if temperature == 0:
@@ -112,4 +119,4 @@ def smooth_ceil(x, temperature: float = DEFAULT_TEMPERATURE):
     base = jax.lax.stop_gradient(jnp.floor(x))
     frac = x - base
     # frac in [0, 1): ceil adds 1 for any frac > 0.
-    return base + jax.nn.sigmoid((frac - 0.5 * temperature) / (0.1 * temperature))
+    return base + jax.nn.sigmoid((frac - jnp.sqrt(temperature)) / temperature)

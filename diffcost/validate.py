@@ -174,9 +174,20 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         used.append("interleave_chunks=1")
     schedule = "interleaved" if chunks > 1 else "1f1b"
     plan = PlanSpec(
-        tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sp, zero=zero,
-        recompute=recompute, microbatch=mb, global_batch=gb, schedule=schedule, chunks=chunks,
-        overlap_dp=fw.overlap_dp, overlap_tp=fw.overlap_tp and tp > 1,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        ep=ep,
+        sequence_parallel=sp,
+        zero=zero,
+        recompute=recompute,
+        microbatch=mb,
+        global_batch=gb,
+        schedule=schedule,
+        chunks=chunks,
+        overlap_dp=fw.overlap_dp,
+        overlap_tp=fw.overlap_tp and tp > 1,
     )
     used.append(f"overlap_dp={fw.overlap_dp}")
     if n_micro := gb / (dp * mb):
@@ -246,8 +257,11 @@ def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
     for i, row in enumerate(rows, start=1):
         measured = row.get("measured_iter_s", "").strip()
         r = RowResult(
-            row=i, source=row.get("source", ""), model=row.get("model", ""),
-            cluster=row.get("cluster", ""), measured_iter_s=float(measured) if measured else None,
+            row=i,
+            source=row.get("source", ""),
+            model=row.get("model", ""),
+            cluster=row.get("cluster", ""),
+            measured_iter_s=float(measured) if measured else None,
         )
         results.append(r)
         try:

@@ -98,8 +98,13 @@ def attention_flops(model: ModelArrays, plan: PlanArrays):
     """
     heads_local = model.heads / plan.tp
     q = tokens(model, plan)
-    return 4.0 * plan.microbatch * heads_local * (q / plan.microbatch) * model.seq_len * (
-        head_dim(model)
+    return (
+        4.0
+        * plan.microbatch
+        * heads_local
+        * (q / plan.microbatch)
+        * model.seq_len
+        * (head_dim(model))
     )
 
 

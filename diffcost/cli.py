@@ -1,0 +1,227 @@
+"""The ``diffcost`` command line: ``predict`` and ``validate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from diffcost import config as config_mod
+from diffcost.simulate import STATUS_NAMES, Breakdown
+from diffcost.specs import Experiment
+
+GiB = 2.0**30
+_PART_LABELS = {
+    "compute_s": "compute",
+    "tp_comm_s": "tensor-parallel comm (exposed)",
+    "cp_comm_s": "context-parallel comm (exposed)",
+    "ep_comm_s": "expert all-to-all (exposed)",
+    "zero_comm_s": "ZeRO-3 gathers/scatters (exposed)",
+    "pp_comm_s": "pipeline sends (fill/drain)",
+    "dp_comm_s": "data-parallel sync (exposed)",
+    "bubble_s": "pipeline bubble",
+    "optimizer_s": "optimizer step",
+    "overhead_s": "per-iteration overhead",
+}
+_MEMORY_PARTS = (
+    "weights_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activations_bytes",
+    "buffers_bytes",
+    "memory_stage_bytes",
+)
+
+
+def _experiment(args) -> Experiment:
+    if args.megatron_args is not None:
+        from diffcost.megatron_args import parse_megatron_args
+
+        if not args.cluster or not args.gpus:
+            raise config_mod.ConfigError("--megatron-args needs --cluster NAME and --gpus N")
+        model, plan, ignored = parse_megatron_args(args.megatron_args, args.gpus)
+        cluster = config_mod.load_cluster(args.cluster)
+        exp = Experiment(model=model, cluster=cluster, plan=plan, source="--megatron-args")
+        config_mod.validate_experiment(exp, n_gpus=args.gpus)
+        if ignored and not args.json:
+            print(f"ignored Megatron flags: {' '.join(ignored)}", file=sys.stderr)
+        return exp
+    if not args.config:
+        raise config_mod.ConfigError(
+            "give a CONFIG file (or --megatron-args with --cluster/--gpus)"
+        )
+    return config_mod.load_experiment(args.config, args.overrides)
+
+
+def breakdown_dict(exp: Experiment, b: Breakdown) -> dict:
+    """The JSON object printed by ``predict --json``."""
+    f = lambda x: float(np.asarray(x))  # noqa: E731
+    stages = ["first", "last"] if exp.plan.pp > 1 else ["only"]
+    memory = {
+        s: {k.removesuffix("_bytes"): f(getattr(b, k)[i]) for k in _MEMORY_PARTS}
+        for i, s in enumerate(stages)
+    }
+    return {
+        "config": exp.source,
+        "model": exp.model.name,
+        "cluster": exp.cluster.name,
+        "n_gpus": exp.plan.n_gpus,
+        "iteration_s": f(b.iteration_s),
+        "tokens_per_s": f(b.tokens_per_s),
+        "mfu": f(b.mfu),
+        "breakdown": {k: f(getattr(b, k)) for k in Breakdown.TIME_PARTS},
+        "memory_peak_bytes": f(b.memory_peak_bytes),
+        "memory_capacity_bytes": f(b.memory_capacity_bytes),
+        "memory_by_stage_bytes": memory,
+        "status": STATUS_NAMES[int(b.status)],
+    }
+
+
+def _print_prediction(exp: Experiment, d: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    p = exp.plan
+    console.print(
+        f"[bold]{exp.model.name}[/] on [bold]{exp.cluster.name}[/], {p.n_gpus} GPUs: "
+        f"tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} sp={p.sequence_parallel} "
+        f"zero={p.zero} recompute={p.recompute} mb={p.microbatch} gb={p.global_batch} "
+        f"schedule={p.schedule}" + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
+    )
+    console.print(
+        f"iteration [bold]{d['iteration_s']:.4g} s[/]   tokens/s {d['tokens_per_s']:.4g}   "
+        f"MFU {100 * d['mfu']:.1f}%"
+    )
+    t = Table(title="time per iteration")
+    t.add_column("part")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    for key, value in d["breakdown"].items():
+        t.add_row(_PART_LABELS[key], f"{value:.4g}", f"{100 * value / d['iteration_s']:.1f}%")
+    console.print(t)
+    m = Table(title="memory per GPU (GiB)")
+    m.add_column("stage")
+    for k in _MEMORY_PARTS:
+        m.add_column(k.removesuffix("_bytes").replace("memory_stage", "total"), justify="right")
+    for stage, parts in d["memory_by_stage_bytes"].items():
+        m.add_row(stage, *(f"{parts[k.removesuffix('_bytes')] / GiB:.2f}" for k in _MEMORY_PARTS))
+    console.print(m)
+    cap = d["memory_capacity_bytes"] / GiB
+    verdict = {"ok": "[green]fits[/]", "oom": "[red]OUT OF MEMORY[/]", "invalid": "[red]INVALID[/]"}
+    console.print(
+        f"peak {d['memory_peak_bytes'] / GiB:.2f} GiB of {cap:.0f} GiB: {verdict[d['status']]}"
+    )
+
+
+def cmd_predict(args) -> int:
+    from diffcost import api
+
+    exp = _experiment(args)
+    b = api.predict(exp)
+    d = breakdown_dict(exp, b)
+    if args.trace:
+        from diffcost import trace
+
+        trace.write_experiment_trace(args.trace, exp)
+        d["trace"] = args.trace
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_prediction(exp, d)
+        if args.trace:
+            print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from diffcost.validate import validate
+
+    out = validate(args.csv)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"validation against {args.csv}")
+    for col in ("source", "rows", "predicted", "skipped", "MAPE %", "max APE %", "Kendall tau"):
+        t.add_column(col, justify="left" if col == "source" else "right")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for name, s in [*out["by_source"].items(), ("all", out["summary"])]:
+        t.add_row(
+            name,
+            str(s["rows"]),
+            str(s["predicted"]),
+            str(s["skipped"]),
+            fmt(s["mape_pct"], ".1f"),
+            fmt(s["max_ape_pct"], ".1f"),
+            fmt(s["kendall_tau"], ".3f"),
+        )
+    console.print(t)
+    skipped = [r for r in out["rows"] if r["skipped"]]
+    if skipped:
+        console.print(f"[bold]{len(skipped)} rows skipped:[/]")
+        for r in skipped:
+            console.print(f"  row {r['row']} ({r['source']}, {r['model']}): {r['skipped']}")
+    if args.rows:
+        rt = Table(title="rows")
+        for col in ("row", "source", "model", "measured s", "predicted s", "APE %", "defaults"):
+            rt.add_column(col)
+        for r in out["rows"]:
+            if r["skipped"]:
+                continue
+            rt.add_row(
+                str(r["row"]),
+                r["source"],
+                r["model"],
+                f"{r['measured_iter_s']:.4g}",
+                f"{r['predicted_iter_s']:.4g}",
+                fmt(r["ape_pct"], ".1f"),
+                "; ".join(r["defaults"]),
+            )
+        console.print(rt)
+    else:
+        console.print("per-row results and the defaults used: --rows or --json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffcost",
+        description="Predict the iteration time and memory of distributed LLM training.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("predict", help="predict one model + cluster + plan")
+    p.add_argument("config", nargs="?", help="experiment YAML (configs/examples/...)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. plan.tp=4")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto timeline")
+    p.add_argument(
+        "--megatron-args", metavar="ARGS", help="read model and plan from Megatron flags"
+    )
+    p.add_argument("--cluster", help="cluster preset (with --megatron-args)")
+    p.add_argument("--gpus", type=int, help="GPU count (with --megatron-args)")
+    p.set_defaults(func=cmd_predict)
+    v = sub.add_parser("validate", help="compare predictions with measured runs (CSV)")
+    v.add_argument("csv", help="CSV in the schema of shared/data/README.md")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--rows", action="store_true", help="print every row")
+    v.set_defaults(func=cmd_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) and "=" in args.config and args.command == "predict":
+        parser.error(f"CONFIG must come first; got override {args.config!r}")
+    try:
+        return args.func(args)
+    except (config_mod.ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"diffcost {args.command}: error: {e}", file=sys.stderr)
+        return 2

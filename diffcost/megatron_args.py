@@ -1,0 +1,158 @@
+"""Read a model and a plan from a Megatron-LM command line.
+
+Only the flags that shape the model and the plan are read; every other flag is ignored and
+reported. Unknown values of the flags we read raise a ``ValueError`` naming the flag.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from diffcost.specs import ModelSpec, MoeSpec, PlanSpec
+
+_VALUE_FLAGS = {
+    "--tensor-model-parallel-size": "tp",
+    "--pipeline-model-parallel-size": "pp",
+    "--context-parallel-size": "cp",
+    "--expert-model-parallel-size": "ep",
+    "--num-layers-per-virtual-pipeline-stage": "layers_per_virtual_stage",
+    "--virtual-pipeline-model-parallel-size": "chunks",
+    "--micro-batch-size": "microbatch",
+    "--global-batch-size": "global_batch",
+    "--recompute-granularity": "recompute",
+    "--num-layers": "n_layers",
+    "--hidden-size": "hidden",
+    "--ffn-hidden-size": "ffn_hidden",
+    "--num-attention-heads": "heads",
+    "--num-query-groups": "kv_heads",
+    "--seq-length": "seq_len",
+    "--vocab-size": "vocab",
+    "--padded-vocab-size": "vocab",
+    "--normalization": "norm",
+    "--num-experts": "experts",
+    "--moe-router-topk": "top_k",
+    "--moe-expert-capacity-factor": "capacity_factor",
+    "--fp8-format": "fp8",
+}
+_SWITCH_FLAGS = {
+    "--sequence-parallel": "sp",
+    "--use-distributed-optimizer": "dist_opt",
+    "--recompute-activations": "recompute_selective",
+    "--swiglu": "swiglu",
+    "--untie-embeddings-and-output-weights": "untied",
+    "--disable-bias-linear": "no_bias",
+    "--bf16": "bf16",
+    "--fp16": "fp16",
+    "--overlap-grad-reduce": "overlap_dp",
+    "--tp-comm-overlap": "overlap_tp",
+    "--use-flash-attn": "flash",
+    "--group-query-attention": "gqa",
+}
+GPT2_VOCAB = 50257
+
+
+def parse_megatron_args(
+    text: str, n_gpus: int, name: str = "megatron"
+) -> tuple[ModelSpec, PlanSpec, list[str]]:
+    """(model, plan, ignored flags) from a Megatron-LM argument string.
+
+    Args:
+        text: the arguments, e.g. ``"--num-layers 24 --hidden-size 2048 ..."``.
+        n_gpus: GPUs of the job; the data-parallel size is ``n_gpus / (tp * pp * cp)``.
+
+    Raises:
+        ValueError: a required flag is missing, a value is malformed, or the GPU count is not
+            divisible by ``tp * pp * cp``.
+    """
+    tokens = shlex.split(text)
+    values: dict[str, str] = {}
+    switches: set[str] = set()
+    ignored: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        flag, eq, inline = tok.partition("=")
+        if flag in _VALUE_FLAGS:
+            if eq:
+                values[_VALUE_FLAGS[flag]] = inline
+            elif i + 1 < len(tokens):
+                values[_VALUE_FLAGS[flag]] = tokens[i + 1]
+                i += 1
+            else:
+                raise ValueError(f"{flag} needs a value")
+        elif flag in _SWITCH_FLAGS:
+            switches.add(_SWITCH_FLAGS[flag])
+        elif tok.startswith("--"):
+            ignored.append(tok)
+        i += 1
+
+    def num(key, default=None, cast=int):
+        if key not in values:
+            if default is None:
+                flag = next(f for f, k in _VALUE_FLAGS.items() if k == key)
+                raise ValueError(f"missing {flag}: needed to describe the model")
+            return default
+        try:
+            return cast(values[key])
+        except ValueError:
+            flag = next(f for f, k in _VALUE_FLAGS.items() if k == key)
+            raise ValueError(f"{flag} {values[key]!r} is not a number") from None
+
+    n_layers, hidden, heads = num("n_layers"), num("hidden"), num("heads")
+    swiglu = "swiglu" in switches
+    kv = num("kv_heads", heads) if "gqa" in switches or "kv_heads" in values else heads
+    ffn_default = int(8 * hidden / 3 / 64 + 0.999) * 64 if swiglu else 4 * hidden
+    precision = "fp8" if "fp8" in values else ("fp16" if "fp16" in switches else "bf16")
+    experts = num("experts", 1)
+    model = ModelSpec(
+        name=name,
+        n_layers=n_layers,
+        hidden=hidden,
+        ffn_hidden=num("ffn_hidden", ffn_default),
+        heads=heads,
+        kv_heads=kv,
+        seq_len=num("seq_len"),
+        vocab=num("vocab", GPT2_VOCAB),
+        mlp="swiglu" if swiglu else "gelu",
+        norm="rmsnorm" if values.get("norm", "").lower() == "rmsnorm" else "layernorm",
+        tied_embeddings="untied" not in switches,
+        bias="no_bias" not in switches,
+        precision=precision,
+        moe=MoeSpec(experts, num("top_k", 2), num("capacity_factor", 1.0, float))
+        if experts > 1
+        else None,
+        flash_attention=True,  # Megatron-Core runs fused (TE or flash) attention by default
+    )
+    tp, pp, cp, ep = num("tp", 1), num("pp", 1), num("cp", 1), num("ep", 1)
+    if n_gpus % (tp * pp * cp):
+        raise ValueError(
+            f"--gpus {n_gpus} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}"
+        )
+    chunks = num("chunks", 1)
+    if "layers_per_virtual_stage" in values:
+        per = num("layers_per_virtual_stage")
+        chunks = max(1, n_layers // (pp * per))
+    recompute = values.get(
+        "recompute", "selective" if "recompute_selective" in switches else "none"
+    )
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"--recompute-granularity {recompute!r}: expected full or selective")
+    mb = num("microbatch", 1)
+    dp = n_gpus // (tp * pp * cp)
+    plan = PlanSpec(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        ep=ep,
+        sequence_parallel="sp" in switches,
+        zero=1 if "dist_opt" in switches else 0,
+        recompute=recompute,
+        microbatch=mb,
+        global_batch=num("global_batch", mb * dp),
+        schedule="interleaved" if chunks > 1 else "1f1b",
+        chunks=chunks,
+        overlap_dp="overlap_dp" in switches,
+        overlap_tp="overlap_tp" in switches,
+    )
+    return model, plan, ignored

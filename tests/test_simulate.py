@@ -1,0 +1,260 @@
+"""Invariants of the smooth simulator: monotonicity, exact zeros, batching, jit, gradients."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import CLUSTER, GPT, LLAMA, MOE, PLANS, arrays
+from jax.test_util import check_grads
+
+from diffcost import api, default_params
+from diffcost.arrays import stack
+from diffcost.simulate import STATUS_INVALID, STATUS_OK, STATUS_OOM, Breakdown, simulate
+
+REL = 1e-9  # float64 equality of two computations of the same quantity
+GRAD_RTOL = 2e-3  # finite differences vs reverse mode (central differences, eps 1e-4)
+
+ALL_CASES = [(GPT, name) for name in PLANS] + [(LLAMA, "tp4pp2"), (LLAMA, "cp2"), (MOE, "dp8")]
+
+
+def _run(model=GPT, plan=None, cluster=CLUSTER, params=None, temperature=1e-3):
+    m, p, c = arrays(model, plan, cluster)
+    return simulate(m, p, c, default_params(jnp.float64) if params is None else params, temperature)
+
+
+@pytest.mark.parametrize("model,plan", ALL_CASES, ids=[f"{m.name}-{p}" for m, p in ALL_CASES])
+def test_finite_positive_and_parts_sum(model, plan):
+    b = _run(model, PLANS[plan] if model is not MOE else dataclasses.replace(PLANS[plan], ep=8))
+    assert int(b.status) in (STATUS_OK, STATUS_OOM)
+    for leaf in jax.tree_util.tree_leaves(b):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+    assert float(b.iteration_s) > 0
+    parts = sum(float(getattr(b, k)) for k in Breakdown.TIME_PARTS)
+    assert parts == pytest.approx(float(b.iteration_s), rel=1e-9)
+    assert 0 < float(b.mfu) < 1
+
+
+def test_makespan_at_least_critical_path_compute():
+    for name in PLANS:
+        b = _run(plan=PLANS[name])
+        assert float(b.iteration_s) >= float(b.compute_s)
+
+
+def _scaled_cluster(**factors):
+    gpu = CLUSTER.gpu
+    if "flops" in factors:
+        gpu = dataclasses.replace(
+            gpu, peak_tflops={k: v * factors["flops"] for k, v in gpu.peak_tflops.items()}
+        )
+    if "hbm" in factors:
+        gpu = dataclasses.replace(gpu, hbm_bandwidth_GBps=gpu.hbm_bandwidth_GBps * factors["hbm"])
+    return dataclasses.replace(
+        CLUSTER,
+        gpu=gpu,
+        nvlink_GBps=CLUSTER.nvlink_GBps * factors.get("nvlink", 1.0),
+        nic_Gbps=CLUSTER.nic_Gbps * factors.get("nic", 1.0),
+    )
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("what", ["flops", "hbm", "nvlink", "nic"])
+def test_more_hardware_is_never_slower(plan, what):
+    base = float(_run(plan=PLANS[plan]).iteration_s)
+    for factor in (1.1, 2.0, 10.0):
+        faster = float(
+            _run(plan=PLANS[plan], cluster=_scaled_cluster(**{what: factor})).iteration_s
+        )
+        assert faster <= base * (1 + REL)
+
+
+def test_tp1_means_no_tensor_parallel_traffic():
+    for name in ("single", "dp8", "gpipe", "fsdp"):
+        assert float(_run(plan=PLANS[name]).tp_comm_s) == 0.0
+    assert float(_run(plan=PLANS["tp4pp2"]).tp_comm_s) > 0.0
+
+
+def test_single_gpu_has_no_communication():
+    b = _run(plan=PLANS["single"])
+    for k in (
+        "tp_comm_s",
+        "cp_comm_s",
+        "ep_comm_s",
+        "zero_comm_s",
+        "pp_comm_s",
+        "dp_comm_s",
+        "bubble_s",
+    ):
+        assert abs(float(getattr(b, k))) <= 1e-12 * float(b.iteration_s), k
+
+
+def test_dense_model_has_no_expert_traffic():
+    for name in PLANS:
+        assert float(_run(plan=PLANS[name]).ep_comm_s) == 0.0
+
+
+def test_oom_and_invalid_status():
+    tiny = dataclasses.replace(CLUSTER, gpu=dataclasses.replace(CLUSTER.gpu, memory_GiB=1.0))
+    assert int(_run(cluster=tiny).status) == STATUS_OOM
+    assert float(_run(cluster=tiny).memory_excess_bytes) > 0
+    bad = dataclasses.replace(PLANS["tp4pp2"], tp=3, dp=2)  # 16 heads not divisible by 3
+    assert int(_run(plan=bad).status) == STATUS_INVALID
+    assert np.isfinite(float(_run(plan=bad).iteration_s))
+
+
+def test_zero_stages_shrink_memory_monotonically():
+    peaks = []
+    for z in (0, 1, 2, 3):
+        peaks.append(float(_run(plan=dataclasses.replace(PLANS["fsdp"], zero=z)).memory_peak_bytes))
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
+
+
+def test_recompute_trades_time_for_memory():
+    runs = [
+        _run(plan=dataclasses.replace(PLANS["tp4pp2"], recompute=r))
+        for r in ("none", "selective", "full")
+    ]
+    mem = [float(r.memory_peak_bytes) for r in runs]
+    time = [float(r.iteration_s) for r in runs]
+    assert mem[0] >= mem[1] > mem[2]
+    assert time[0] <= time[1] < time[2]
+
+
+def _batch(cases):
+    ms, ps, cs = zip(*(arrays(m, p) for m, p in cases))
+    return stack(ms), stack(ps), stack(cs)
+
+
+def test_vmap_equals_loop_and_padding_changes_nothing():
+    cases = [(GPT, PLANS[n]) for n in PLANS]
+    params = default_params(jnp.float64)
+    run = jax.vmap(lambda m, p, c: simulate(m, p, c, params))
+    batched = run(*_batch(cases))
+    for i, (m, p) in enumerate(cases):
+        single = simulate(*arrays(m, p), params)
+        for a, b in zip(jax.tree_util.tree_leaves(single), jax.tree_util.tree_leaves(batched)):
+            np.testing.assert_allclose(np.asarray(b)[i], np.asarray(a), rtol=REL)
+    # pad the batch with copies of an unrelated configuration: the real rows are unchanged
+    padded = run(*_batch(cases + [(LLAMA, PLANS["cp2"])] * 5))
+    for a, b in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(padded)):
+        np.testing.assert_allclose(np.asarray(b)[: len(cases)], np.asarray(a), rtol=REL)
+
+
+def test_jit_equals_eager_and_does_not_recompile():
+    params = default_params(jnp.float64)
+    m, p, c = arrays(plan=PLANS["3d-interleaved"])
+    eager = simulate(m, p, c, params)
+    api.simulate_jit.clear_cache()
+    jitted = api.simulate_jit(m, p, c, params)
+    for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12)
+    m2, p2, c2 = arrays(LLAMA, PLANS["tp4pp2"])
+    api.simulate_jit(m2, p2, c2, params)  # a different model and plan: same structure
+    assert api.simulate_jit._cache_size() == 1
+
+
+def _relaxed_fn(name, field):
+    m, p, c = arrays(plan=PLANS[name])
+    params = default_params(jnp.float64)
+
+    def f(x):
+        return simulate(m, p.replace(**{field: x}), c, params).iteration_s
+
+    return f, getattr(p, field)
+
+
+GRAD_CASES = [
+    ("single", "tp"),
+    ("single", "dp"),
+    ("dp8", "dp"),
+    ("tp4pp2", "tp"),
+    ("tp4pp2", "microbatch"),
+    ("3d-interleaved", "pp"),
+    ("fsdp", "dp"),
+    ("gpipe", "microbatch"),
+    ("cp2", "cp"),
+    ("single", "microbatch"),
+    ("gpipe", "pp"),
+]
+FD_EPS = 1e-6
+
+
+@pytest.mark.parametrize("name,field", GRAD_CASES)
+def test_gradient_wrt_relaxed_plan_matches_finite_differences(name, field):
+    """Where the model is smooth the gradient matches finite differences; at the kinks of the
+    placement (a group that just fills a node) it is a subgradient between the one-sided ones."""
+    f, x0 = _relaxed_fn(name, field)
+    g = float(jax.grad(f)(x0))
+    assert np.isfinite(g)
+    f0 = float(f(x0))
+    right = (float(f(x0 + FD_EPS)) - f0) / FD_EPS
+    left = (f0 - float(f(x0 - FD_EPS))) / FD_EPS
+    tol = GRAD_RTOL * max(abs(right), abs(left), 1e-3 * f0 / float(x0))
+    if abs(right - left) <= tol:
+        assert g == pytest.approx(0.5 * (right + left), abs=tol)
+    else:
+        assert min(left, right) - tol <= g <= max(left, right) + tol
+
+
+@pytest.mark.parametrize("field", ["tp", "dp", "cp", "pp"])
+def test_gradient_at_one_rank_is_the_feasible_side_derivative(field):
+    """At degree 1 (no group at all) the gradient is the derivative towards degree > 1."""
+    f, x0 = _relaxed_fn("single", field)
+    assert float(x0) == 1.0
+    g = float(jax.grad(f)(x0))
+    right = (float(f(x0 + FD_EPS)) - float(f(x0))) / FD_EPS
+    assert g == pytest.approx(right, rel=GRAD_RTOL, abs=1e-9)
+
+
+def test_gradient_wrt_params_matches_finite_differences():
+    m, p, c = arrays(plan=PLANS["3d-interleaved"])
+    params = default_params(jnp.float64)
+    check_grads(
+        lambda pr: simulate(m, p, c, pr).iteration_s,
+        (params,),
+        order=1,
+        modes=["rev"],
+        eps=1e-5,
+        atol=1e-6,
+        rtol=GRAD_RTOL,
+    )
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_gradients_are_finite_everywhere(name):
+    m, p, c = arrays(plan=PLANS[name])
+    params = default_params(jnp.float64)
+    grads = jax.grad(lambda pr, pl, cl: simulate(m, pl, cl, pr).iteration_s, argnums=(0, 1, 2))(
+        params, p, c
+    )
+    for leaf in jax.tree_util.tree_leaves(grads):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_zero_byte_collectives_have_finite_gradients():
+    from diffcost import comm
+    from diffcost.arrays import cluster_arrays as ca
+
+    c = ca(CLUSTER, jnp.float64)
+    params = default_params(jnp.float64)
+    for fn in (comm.all_reduce_s, comm.reduce_scatter_s, comm.all_to_all_s):
+
+        def t(msg, n):
+            return fn(msg, comm.place(n, 1.0, c.gpus_per_node), c, params, 1e-3)
+
+        assert float(t(0.0, 8.0)) == pytest.approx(0.0, abs=1e-12)
+        assert float(t(1e6, 1.0)) == 0.0
+        g = jax.grad(t, argnums=(0, 1))(0.0, 8.0)
+        assert all(np.isfinite(float(x)) for x in g)
+
+
+def test_relaxed_categoricals_interpolate():
+    m, p, c = arrays(plan=PLANS["tp4pp2"])
+    params = default_params(jnp.float64)
+    t = {}
+    for name, vec in {"none": [1, 0, 0], "full": [0, 0, 1], "mix": [0.5, 0, 0.5]}.items():
+        t[name] = float(
+            simulate(m, p.replace(recompute=jnp.asarray(vec, jnp.float64)), c, params).iteration_s
+        )
+    assert t["none"] < t["mix"] < t["full"]

@@ -1,0 +1,109 @@
+"""Every surrogate approaches its exact counterpart as temperature -> 0 and has finite grads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from diffcost import smooth
+
+TEMPERATURES = (1e-1, 1e-2, 1e-3, 1e-4)
+GRAD_TOL = 1e-5
+
+values = st.lists(st.floats(0.0, 1e3, allow_nan=False), min_size=1, max_size=8)
+
+
+@given(values)
+@settings(max_examples=50, deadline=None)
+def test_smooth_max_bounds_and_converges(xs):
+    x = jnp.asarray(xs)
+    exact = float(jnp.max(x))
+    errors = []
+    for t in TEMPERATURES:
+        s = float(smooth.smooth_max(x, temperature=t))
+        bound = t * float(jnp.mean(jnp.abs(x))) * np.log(len(xs)) + 1e-9
+        assert exact - 1e-9 <= s <= exact + bound + 1e-9
+        errors.append(s - exact)
+    assert errors == sorted(errors, reverse=True)
+    assert float(smooth.smooth_max(x, temperature=0)) == exact
+
+
+@given(values)
+@settings(max_examples=50, deadline=None)
+def test_smooth_min_converges(xs):
+    x = jnp.asarray(xs)
+    exact = float(jnp.min(x))
+    errs = [abs(float(smooth.smooth_min(x, temperature=t)) - exact) for t in TEMPERATURES]
+    bound = TEMPERATURES[-1] * float(jnp.mean(jnp.abs(x))) * np.log(len(xs)) + 1e-9
+    assert errs[-1] <= bound
+    assert errs == sorted(errs, reverse=True)
+
+
+def test_smooth_max_is_scale_equivariant():
+    x = jnp.array([1.0, 2.0, 2.0, 0.5])
+    for scale in (1e-6, 1.0, 1e6):
+        assert float(smooth.smooth_max(scale * x)) == pytest.approx(
+            scale * float(smooth.smooth_max(x)), rel=1e-12
+        )
+
+
+@pytest.mark.parametrize(
+    "x", [jnp.array([1.0, 1.0]), jnp.array([0.0, 0.0]), jnp.array([3.0, 1e-9])]
+)
+def test_smooth_max_grads_finite_at_ties_and_zero(x):
+    g = jax.grad(lambda v: smooth.smooth_max(v))(x)
+    assert np.all(np.isfinite(g))
+    # homogeneous of degree one: Euler's identity x . grad = f
+    assert float(jnp.dot(x, g)) == pytest.approx(float(smooth.smooth_max(x)), abs=1e-9)
+
+
+def test_check_grads_of_surrogates():
+    x = jnp.array([0.3, 0.7, 0.5])
+    check_grads(
+        lambda v: smooth.smooth_max(v), (x,), order=2, modes=["rev"], atol=GRAD_TOL, rtol=GRAD_TOL
+    )
+    check_grads(
+        lambda v: smooth.smooth_min(v), (x,), order=2, modes=["rev"], atol=GRAD_TOL, rtol=GRAD_TOL
+    )
+    check_grads(lambda a: smooth.smax2(a, 0.6), (jnp.array(0.55),), order=1, modes=["rev"])
+    check_grads(
+        lambda a: smooth.smooth_relu(a, 1.0, 0.1), (jnp.array(0.05),), order=1, modes=["rev"]
+    )
+    check_grads(lambda a: smooth.smooth_ceil(a, 0.1), (jnp.array(2.25),), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("x", [-2.0, -0.01, 0.0, 0.01, 2.0])
+def test_relu_step_converge(x):
+    exact_relu = max(x, 0.0)
+    exact_step = 1.0 if x > 0 else (0.0 if x < 0 else 0.5)
+    for t in (1e-3, 1e-5):
+        assert float(smooth.smooth_relu(x, 1.0, t)) == pytest.approx(exact_relu, abs=10 * t)
+    assert float(smooth.smooth_step(x, 1.0, 1e-5)) == pytest.approx(exact_step, abs=1e-3)
+    assert float(smooth.smooth_relu(x, 1.0, 0)) == exact_relu
+
+
+@pytest.mark.parametrize("x", [0.0, 0.3, 1.0, 1.5, 2.0, 2.999, 3.0])
+def test_smooth_ceil_converges(x):
+    exact = float(np.ceil(x))
+    assert float(smooth.smooth_ceil(x, 1e-4)) == pytest.approx(exact, abs=1e-3)
+    if x != int(x) and x - int(x) > 0.01:
+        assert float(smooth.smooth_ceil(x, 1e-4)) == pytest.approx(exact, abs=1e-9)
+    assert float(smooth.smooth_ceil(x, 0)) == exact
+
+
+def test_safe_div_and_log_are_finite_at_zero():
+    assert float(smooth.safe_div(1.0, 0.0)) == 0.0
+    g = jax.grad(lambda d: smooth.safe_div(2.0, d))(0.0)
+    assert np.isfinite(g)
+    g = jax.grad(smooth.safe_log)(0.0)
+    assert np.isfinite(g)
+
+
+def test_clip_exact_is_exact_and_differentiable():
+    assert float(smooth.clip_exact(8.0, 1.0, 1.0)) == 1.0
+    assert float(smooth.clip_exact(0.5, 1.0, 4.0)) == 1.0
+    g = jax.grad(lambda hi: smooth.clip_exact(8.0, 1.0, hi))(1.0)
+    assert float(g) == 1.0
