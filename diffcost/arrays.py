@@ -93,6 +93,12 @@ class PlanArrays:
         return self.dp * self.tp * self.pp * self.cp
 
 
+def _as_float(dtype):
+    """Converter to float leaves: ``dtype``, or JAX's default float (float64 under x64)."""
+    dtype = jnp.result_type(float) if dtype is None else dtype
+    return lambda v: jnp.asarray(v, dtype=dtype)
+
+
 def _one_hot(index: int, n: int) -> np.ndarray:
     out = np.zeros(n)
     out[index] = 1.0
@@ -102,7 +108,7 @@ def _one_hot(index: int, n: int) -> np.ndarray:
 def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
     """Convert a ``ModelSpec`` to float leaves."""
     moe = model.moe
-    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    f = _as_float(dtype)
     return ModelArrays(
         n_layers=f(model.n_layers),
         hidden=f(model.hidden),
@@ -125,7 +131,7 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
 def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
     """Convert a ``ClusterSpec`` (config units) to SI units."""
     gpu = cluster.gpu
-    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    f = _as_float(dtype)
     peak = [gpu.peak_tflops.get(p, 0.0) * 1e12 for p in PRECISIONS]
     nic_per_gpu = cluster.nics_per_node * cluster.nic_Gbps * 1e9 / 8 / cluster.gpus_per_node
     return ClusterArrays(
@@ -143,7 +149,7 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
 
 def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
     """Convert a discrete ``PlanSpec`` to a one-hot ``PlanArrays``."""
-    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
+    f = _as_float(dtype)
     order = np.array([plan.order.index(d) for d in PLACED_DIMS], dtype=float)
     return PlanArrays(
         tp=f(plan.tp),

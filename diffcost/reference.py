@@ -16,8 +16,10 @@ plain Python (no JAX), so tests can check the closed form against it:
   data-parallel transfers use too;
 * every stage has a **DP stream**: the gradient buckets of its last backward (one per layer,
   ``dp_bucket_s`` of work each) become ready at the layer cadence ``layer_bwd_s`` from the start
-  of that backward (at its end without ``overlap_dp``) and go FIFO, one at a time, on ``nic s``;
-  then ``dp_after_s`` of non-overlappable sync, once the stage's compute has ended too.
+  of that backward (all at its end without ``overlap_dp``) and go FIFO, one at a time, on
+  ``nic s``; then ``dp_after_s`` of non-overlappable sync, once the stage's compute has ended.
+  With interleaving each chunk's last backward emits that chunk's ``dp_layers / v`` buckets
+  (``dp_buckets="per_chunk"``, the default; see ``simulate_reference``).
 
 Iteration = max over stages of max(compute end, DP end) + optimizer + overhead.
 """
@@ -128,18 +130,20 @@ class _Links:
         return done
 
 
-def simulate_reference(st, schedule: str | None = None, record: bool = False,
-                       dp_buckets: str = "per_chunk") -> ReferenceResult:
+def simulate_reference(
+    st, schedule: str | None = None, record: bool = False, dp_buckets: str = "per_chunk"
+) -> ReferenceResult:
     """Unroll one iteration of a concrete ``StageTimes`` event by event.
 
     Args:
         st: a ``diffcost.simulate.StageTimes`` (or anything with its fields) of concrete values.
         schedule: "gpipe", "1f1b" or "interleaved"; the argmax of ``st.schedule`` if None.
         record: keep every task and transfer as ``(track, name, start_s, dur_s)``.
-        dp_buckets: interleaved only. "final_task": all ``dp_layers`` buckets follow the cadence
-            from the start of the stage's final task (the last microbatch's chunk-0 backward),
-            continuing past its end. "per_chunk": the last backward of each chunk emits that
-            chunk's ``dp_layers / v`` buckets from its own start.
+        dp_buckets: interleaved with ``overlap_dp`` only. "per_chunk": the last backward of
+            each chunk emits that chunk's ``dp_layers / v`` buckets at the layer cadence from
+            its own start. "final_task": all ``dp_layers`` buckets follow the cadence from the
+            start of the stage's final task (the last microbatch's chunk-0 backward, which lasts
+            ``bwd_s / v``), so most of them become ready after the compute has ended.
 
     Returns:
         A ``ReferenceResult``.
@@ -167,7 +171,7 @@ def simulate_reference(st, schedule: str | None = None, record: bool = False,
     # emit[s]: {position in the order: buckets} for the backwards whose gradients are synced:
     # the stage's final task, or (per_chunk) the last backward of each chunk.
     emit = [{len(order) - 1: n_buckets} for order in orders]
-    if schedule == "interleaved" and dp_buckets == "per_chunk":
+    if schedule == "interleaved" and dp_buckets == "per_chunk" and overlap:
         for s, order in enumerate(orders):
             last = {c: pos for pos, (kd, _, c) in enumerate(order) if kd == "B"}
             emit[s] = {last[c]: n_buckets // v + (c < n_buckets % v) for c in range(v)}
@@ -190,8 +194,9 @@ def simulate_reference(st, schedule: str | None = None, record: bool = False,
     dp_end = [0.0] * p
     dp_queue = [0] * p  # ready buckets waiting on the DP stream
     dp_busy = [False] * p
-    dp_left = [sum(e.values()) for e in emit]  # buckets not yet synced
-    dp_after_done = [False] * p
+    dp_total = [sum(e.values()) for e in emit]
+    dp_left = list(dp_total)  # buckets not yet synced
+    dp_after_started = [False] * p
     dirty = set(range(p))
 
     def at(t, fn):
@@ -220,8 +225,9 @@ def simulate_reference(st, schedule: str | None = None, record: bool = False,
         dirty.add(s)
         if record:
             c = j // p
-            events.append((f"stage {s}/compute", f"{kd}{i}" + (f".c{c}" if v > 1 else ""),
-                           t0, now - t0))
+            events.append(
+                (f"stage {s}/compute", f"{kd}{i}" + (f".c{c}" if v > 1 else ""), t0, now - t0)
+            )
         if kd == "F":
             arrive(("B", i, j))
             if j + 1 < n_virtual:
@@ -229,15 +235,25 @@ def simulate_reference(st, schedule: str | None = None, record: bool = False,
                 if dst == s:
                     arrive(("F", i, j + 1))
                 else:
-                    transfer(f"{s}->{dst}", p2p, f"stage {s}/p2p send", f"F{i} -> {dst}",
-                             lambda: arrive(("F", i, j + 1)))
+                    transfer(
+                        f"{s}->{dst}",
+                        p2p,
+                        f"stage {s}/p2p send",
+                        f"F{i} -> {dst}",
+                        lambda: arrive(("F", i, j + 1)),
+                    )
         elif j > 0:
             dst = (j - 1) % p
             if dst == s:
                 arrive(("B", i, j - 1))
             else:
-                transfer(f"nic {s}", p2p, f"stage {s}/p2p send", f"B{i} -> {dst}",
-                         lambda: arrive(("B", i, j - 1)))
+                transfer(
+                    f"nic {s}",
+                    p2p,
+                    f"stage {s}/p2p send",
+                    f"B{i} -> {dst}",
+                    lambda: arrive(("B", i, j - 1)),
+                )
         if not overlap:  # every bucket is ready when the backward ends
             dp_queue[s] += emit[s].get(pos, 0)
 
@@ -273,16 +289,30 @@ def simulate_reference(st, schedule: str | None = None, record: bool = False,
             if dp_queue[s]:
                 dp_queue[s] -= 1
                 dp_busy[s] = True
-                n = dp_left[s]
-                transfer(f"nic {s}", bucket[k], f"stage {s}/dp sync", f"bucket {n}",
-                         lambda: dp_done(s, True))
-            elif dp_left[s] == 0 and nxt[s] == len(orders[s]) and not busy[s] \
-                    and not dp_after_done[s]:
-                dp_after_done[s] = True
+                n = dp_total[s] - dp_left[s] + 1
+                transfer(
+                    f"nic {s}",
+                    bucket[k],
+                    f"stage {s}/dp sync",
+                    f"bucket {n}",
+                    lambda: dp_done(s, True),
+                )
+            elif (
+                dp_left[s] == 0
+                and nxt[s] == len(orders[s])
+                and not busy[s]
+                and not dp_after_started[s]
+            ):
+                dp_after_started[s] = True
                 dp_busy[s] = True
                 dp_end[s] = max(dp_end[s], now)
-                transfer(f"nic {s}", after[k], f"stage {s}/dp sync", "dp after",
-                         lambda: dp_done(s, False))
+                transfer(
+                    f"nic {s}",
+                    after[k],
+                    f"stage {s}/dp sync",
+                    "dp after",
+                    lambda: dp_done(s, False),
+                )
 
     while True:
         while dirty:
@@ -297,7 +327,7 @@ def simulate_reference(st, schedule: str | None = None, record: bool = False,
         while heap and heap[0][0] <= now:
             heapq.heappop(heap)[2]()
 
-    if any(nxt[s] < len(orders[s]) for s in range(p)) or any(not d for d in dp_after_done):
+    if any(nxt[s] < len(orders[s]) for s in range(p)) or any(not d for d in dp_after_started):
         raise RuntimeError(f"deadlock: schedule {schedule!r} stopped at positions {nxt}")
     stage_end = [max(compute_end[s], dp_end[s]) for s in range(p)]
     pipeline = max(compute_end)

@@ -11,13 +11,12 @@ simulates event by event):
    pairs slow each other by the interference factor over the overlapping time.
 2. **Stage** (per microbatch): ``layers / pp`` layers, plus the embedding on the first stage and
    the LM head and loss on the last. Three stage kinds: first, middle, last.
-3. **Pipeline**: GPipe and 1F1B take ``sum_s W_s + (m - 1) max_s W_s``; interleaved with ``v``
-   chunks ``m max_s W_s + (sum_s W_s - max_s W_s) / v``; activation sends add their fill and
-   drain cost. ``W_s`` is forward + backward of stage ``s`` for one microbatch.
+3. **Pipeline**: closed forms per schedule (``pipeline_time``) over the three stage kinds,
+   ``W_s`` being forward + backward of stage ``s`` for one microbatch; activation sends add
+   their fill and drain cost.
 4. **Data-parallel sync**: one bucket per layer, ready as the last microbatch's backward
-   passes it; buckets go FIFO on the comm stream, so the exposed tail is
-   ``max(c, L c - (L - 1) b)`` with overlap (``c`` a bucket's sync, ``b`` a layer's backward)
-   and ``L c`` without.
+   passes it; buckets go FIFO on the comm stream (``dp_tail``), and the drain's sends share
+   the NIC with them.
 5. **Optimizer step** (memory-bound over the local optimizer shard), the ZeRO-1/2 parameter
    all-gather, and a fixed per-iteration overhead.
 
@@ -365,35 +364,96 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     )
 
 
-def pipeline_time(st: StageTimes, temperature):
-    """Pipeline makespan, the bottleneck stage's soft weights, and the send fill/drain cost."""
-    p, m, v = st.n_stages, st.n_microbatches, st.chunks
-    # stage kinds that exist: a middle stage from pp = 3, a distinct last stage from pp = 2
-    exists = jnp.stack([jnp.ones_like(p), smooth.clip_exact(p - 2.0, 0.0, 1.0), _multi_stage(p)])
-    work = st.fwd_s + st.bwd_s
-    w_max = smooth.smooth_max(work * exists, temperature=temperature)
-    if temperature == 0:
-        weights = jax.nn.one_hot(jnp.argmax(work * exists), 3, dtype=work.dtype)
-    else:
-        tau = temperature * jnp.mean(work * exists)
-        weights = jax.nn.softmax((work * exists - w_max) / tau)
-    sum_w = work[0] + work[2] + (p - 2.0) * work[1]
-    # with one stage, first == last: count it once
-    multi = _multi_stage(p)
-    sum_w = sum_w + (1.0 - multi) * (work[1] - work[2])
-    sends = 2.0 * (p - 1.0) * st.p2p_s
-    flat = sum_w + (m - 1.0) * w_max + sends
-    interleaved = m * w_max + (sum_w - w_max) / v + sends
-    total = st.schedule[0] * flat + st.schedule[1] * flat + st.schedule[2] * interleaved
-    return total, weights, sends
+def _stage_kinds(p):
+    """Which stage kinds exist: first always, a middle one from pp = 3, a last from pp = 2."""
+    return jnp.stack([jnp.ones_like(p), smooth.clip_exact(p - 2.0, 0.0, 1.0), _multi_stage(p)])
 
 
 def dp_tail(st: StageTimes, temperature):
-    """Exposed gradient sync after the last backward on each stage kind: [3]."""
-    layers, c, b = st.dp_layers, st.dp_bucket_s, st.layer_bwd_s
-    overlapped = smooth.smax2(c, layers * c - (layers - 1.0) * b, temperature)
-    serial = layers * c
-    return st.overlap_dp * overlapped + (1.0 - st.overlap_dp) * serial + st.dp_after_s
+    """Exposed gradient sync after the last backward task of each stage kind: [3].
+
+    ``lq`` buckets become ready at the layer cadence ``b`` from the start of the stage's last
+    backward task (length ``B``); FIFO on the DP stream, the last one finishes
+    ``max(lq b + c, b + lq c)`` after that start, i.e. ``max(0, that - B)`` after compute ends.
+    With interleaving and overlap only the final chunk's ``L / v`` buckets remain
+    (``B = bwd / v``); without overlap every bucket waits for the end. Then ``dp_after_s``.
+    """
+    tau = temperature
+    per_chunk = st.schedule[2] * st.overlap_dp * _multi_stage(st.n_stages)
+    v_eff = 1.0 + per_chunk * (st.chunks - 1.0)
+    lq, last_b = st.dp_layers / v_eff, st.bwd_s / v_eff
+    c, b = st.dp_bucket_s, st.layer_bwd_s
+    finish = smooth.smax2(lq * b + c, b + lq * c, tau)
+    overlapped = smooth.smooth_relu(finish - last_b, last_b, tau)
+    serial = st.dp_layers * c
+    return st.overlap_dp * overlapped + (1.0 - st.overlap_dp) * serial, st.dp_after_s
+
+
+def pipeline_time(st: StageTimes, temperature):
+    """Pipeline makespan (with the DP tail), the bottleneck's soft weights, and send costs.
+
+    Closed forms (exact against ``diffcost.reference`` at temperature 0 where stated in
+    ``tests/test_reference.py``), with ``W = F + B`` per stage kind (first, middle, last):
+
+    * GPipe: ``sum W + (m - 1) (max F + max B) + 2 (p - 1) s``;
+    * 1F1B (``m >= p``): the slowest of three critical paths (bottleneck last, first, or in the
+      middle, idling while round trips cross the stages after it), plus
+      ``(m - 1) max(0, (sum W + 2 (p - 1) s) / p - max W)`` for the round trip through the
+      pipeline when warmup leaves no slack, plus ``2 (p - 1) s``;
+    * interleaved (``v`` chunks): ``m max W + (sum W - max W) / v + 2 (p v - 1) s``;
+    * the drain's backward sends share the NIC with DP buckets still queued on the sender:
+      ``min(s, queued)`` per hop.
+
+    Returns:
+        (pipeline + exposed DP time, weights [3] of the bottleneck kind, send time, DP time)
+    """
+    tau = temperature
+    p, m, v = st.n_stages, st.n_microbatches, st.chunks
+    multi = _multi_stage(p)
+    exists = _stage_kinds(p)
+    fwd, bwd = st.fwd_s * exists, st.bwd_s * exists
+    work = fwd + bwd
+    w_max = smooth.smooth_max(work, temperature=tau)
+    if tau == 0:
+        weights = jax.nn.one_hot(jnp.argmax(work), 3, dtype=work.dtype)
+    else:
+        weights = jax.nn.softmax((work - w_max) / (tau * jnp.mean(work)))
+    w0, w1, w2 = st.fwd_s + st.bwd_s
+    sum_w = w0 + multi * (w2 + (p - 2.0) * w1)
+    s = st.p2p_s
+    sends_flat = 2.0 * (p - 1.0) * s
+
+    gpipe = sum_w + (m - 1.0) * (
+        smooth.smooth_max(fwd, temperature=tau) + smooth.smooth_max(bwd, temperature=tau)
+    )
+    simple = sum_w + (m - 1.0) * w_max
+    paths = jnp.stack(
+        [
+            sum_w + (m - 1.0) * w2,
+            m * w0 + smooth.smooth_relu(2.0 * (w2 + (p - 2.0) * w1) - (p - 1.0) * w0, w0, tau),
+            exists[1] * (w0 + 2.0 * w2 + (m + p - 4.0) * w1),
+        ]
+    )
+    steady = multi * smooth.clip_exact(m - p + 1.0, 0.0, 1.0)  # 1F1B with m >= p >= 2
+    one_f_one_b = steady * smooth.smooth_max(paths, temperature=tau) + (1.0 - steady) * simple
+    round_trip = (sum_w + sends_flat) / p
+    round_trip_wait = multi * smooth.smooth_relu(round_trip - w_max, w_max, tau)  # none if p = 1
+    one_f_one_b = one_f_one_b + (m - 1.0) * round_trip_wait
+    sends_interleaved = 2.0 * (p * v - 1.0) * s * multi
+    interleaved = m * w_max + (sum_w - w_max) / v
+
+    tail, after = dp_tail(st, tau)
+    # drain hops: the last microbatch's backward leaves stages p-1 .. 1 while their DP sync runs
+    delay = lambda queued: smooth.smin2(s, queued, tau)  # noqa: E731
+    nic = multi * ((p - 2.0) * delay(tail[1] + after[1]) + delay(tail[2] + after[2]))
+    chunks_left = st.schedule[2] * st.overlap_dp * (v - 1.0)
+    nic = nic + multi * chunks_left * (delay(tail[0]) + (p - 2.0) * delay(tail[1]) + delay(tail[2]))
+
+    sched = st.schedule
+    pipe = sched[0] * gpipe + sched[1] * one_f_one_b + sched[2] * interleaved
+    sends = (sched[0] + sched[1]) * sends_flat + sched[2] * sends_interleaved + nic
+    dp = tail[0] + after[0]
+    return pipe + sends + dp, weights, sends, dp
 
 
 def memory(model, plan, cluster, temperature):
@@ -472,15 +532,13 @@ def simulate(
         True
     """
     st = stage_times(model, plan, cluster, params, temperature)
-    pipe, weights, sends = pipeline_time(st, temperature)
-    tails = dp_tail(st, temperature)
-    dp_exposed = tails[0]
-    iteration = pipe + dp_exposed + st.optimizer_s + st.overhead_s
+    pipe_dp, weights, sends, dp_exposed = pipeline_time(st, temperature)
+    iteration = pipe_dp + st.optimizer_s + st.overhead_s
 
     m = st.n_microbatches
     per_mb = weights @ st.parts  # bottleneck stage's per-microbatch composition
     steady = m * per_mb
-    bubble = pipe - jnp.sum(steady) - sends
+    bubble = pipe_dp - dp_exposed - jnp.sum(steady) - sends
 
     w, g, o, a, buf = memory(model, plan, cluster, temperature)
     per_stage = w + g + o + a + buf

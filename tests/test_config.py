@@ -190,10 +190,10 @@ def test_parse_overrides_conflict():
 def test_overrides_change_plan_model_and_nested_cluster():
     exp = load_experiment(
         "llama3-70b-h100",
-        ["plan.tp=8", "plan.dp=2", "model.seq_len=4096", "cluster.gpu.memory_GiB=40",
+        ["plan.tp=8", "plan.dp=1", "model.seq_len=4096", "cluster.gpu.memory_GiB=40",
          "plan.order=[dp,tp,cp,pp]", "plan.recompute=full"],
     )  # fmt: skip
-    assert (exp.plan.tp, exp.plan.dp, exp.plan.recompute) == (8, 2, "full")
+    assert (exp.plan.tp, exp.plan.dp, exp.plan.recompute) == (8, 1, "full")
     assert exp.plan.order == ("dp", "tp", "cp", "pp")
     assert exp.model.seq_len == 4096 and exp.model.name == "llama3-70b"
     assert exp.cluster.gpu.memory_GiB == 40
@@ -484,10 +484,10 @@ def load_with(tmp_path, plan: str, **kwargs) -> Experiment:
 def test_gpus_must_match_product(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"dp\*tp\*pp\*cp = 2\*4\*4\*1 = 32 does not equal gpus=64; dp=4 would match",
+        match=r"dp\*tp\*pp\*cp = 1\*4\*4\*2 = 32 does not equal gpus=64; dp=2 would match",
     ):
-        load_experiment("llama3-70b-h100", ["plan.dp=2"])
-    assert load_experiment("llama3-70b-h100", ["plan.dp=2", "gpus=32"]).plan.n_gpus == 32
+        load_experiment("llama3-70b-h100", ["plan.dp=1"])
+    assert load_experiment("llama3-70b-h100", ["plan.dp=1", "gpus=32"]).plan.n_gpus == 32
 
 
 def test_tp_must_divide_heads_and_kv_heads(tmp_path):

@@ -1,0 +1,126 @@
+"""Speed of the simulator on this machine, measured in one run.
+
+    python benchmarks/speed.py [--json]
+
+Figures:
+* ``compile_s``: first call of ``simulate_jit`` (trace + XLA compile) on the GPT-3 example;
+* ``single_prediction_us``: median warm latency of one jitted prediction (dispatch included);
+* ``sweep_configs_per_s``: ``jit(vmap(simulate))`` over every valid plan of GPT-3 175B on
+  1,024 GPUs (degrees, microbatch, recompute, ZeRO stage, schedule), after a warm-up call;
+* ``grad_cost_ratio``: warm time of ``jit(grad(iteration_s))`` with respect to Params and the
+  relaxed plan, over the warm time of one prediction.
+
+Targets (issue #2): single <= 1 ms, sweep >= 200,000 configs/s, grad ratio <= 5; project goals
+100 us, 1,000,000 configs/s and 3x. Exits non-zero when a target is missed. For scale, Calculon
+(a pure-Python analytical model) takes about 7 ms per configuration on this class of machine
+(figure quoted by the project brief, not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diffcost import api, space  # noqa: E402
+from diffcost.params import default_params  # noqa: E402
+from diffcost.simulate import simulate  # noqa: E402
+
+TARGETS = {"single_prediction_us": 1000.0, "sweep_configs_per_s": 200_000.0, "grad_cost_ratio": 5.0}
+GOALS = {"single_prediction_us": 100.0, "sweep_configs_per_s": 1_000_000.0, "grad_cost_ratio": 3.0}
+CALCULON_S_PER_CONFIG = 7e-3
+EXAMPLE = ROOT / "configs" / "examples" / "gpt3-175b.yaml"
+
+
+def _median_time(fn, repeats: int, inner: int = 1) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def measure() -> dict:
+    exp = api.load(EXAMPLE)
+    model, plan, cluster = api.experiment_arrays(exp)
+    params = default_params()
+
+    api.simulate_jit.clear_cache()
+    t0 = time.perf_counter()
+    jax.block_until_ready(api.simulate_jit(model, plan, cluster, params))
+    compile_s = time.perf_counter() - t0
+
+    single_s = _median_time(lambda: api.simulate_jit(model, plan, cluster, params), 7, 200)
+
+    grad_fn = jax.jit(
+        jax.grad(lambda pr, pl: simulate(model, pl, cluster, pr).iteration_s, argnums=(0, 1))
+    )
+    jax.block_until_ready(grad_fn(params, plan))
+    grad_s = _median_time(lambda: grad_fn(params, plan), 7, 200)
+
+    plans, _ = space.enumerate_plans(exp.model, exp.plan.n_gpus, exp.plan.global_batch)
+    n = int(plans.tp.shape[0])
+    sweep = jax.jit(jax.vmap(lambda p: simulate(model, p, cluster, params).iteration_s))
+    plans_dev = jax.tree_util.tree_map(lambda x: jax.numpy.asarray(x, dtype=plan.tp.dtype), plans)
+    jax.block_until_ready(sweep(plans_dev))
+    sweep_s = _median_time(lambda: sweep(plans_dev), 5)
+    return {
+        "single_prediction_us": single_s * 1e6,
+        "sweep_configs_per_s": n / sweep_s,
+        "grad_cost_ratio": grad_s / single_s,
+        "compile_s": compile_s,
+        "sweep_configs": n,
+        "sweep_s": sweep_s,
+        "grad_us": grad_s * 1e6,
+        "vs_calculon_speedup_per_config": CALCULON_S_PER_CONFIG / (sweep_s / n),
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    out = measure()
+    missed = [
+        k
+        for k, target in TARGETS.items()
+        if (out[k] > target if k != "sweep_configs_per_s" else out[k] < target)
+    ]
+    out["targets_missed"] = missed
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        t, g = TARGETS, GOALS
+        print(f"compile (first call)        {out['compile_s']:.2f} s")
+        print(
+            f"single prediction (warm)    {out['single_prediction_us']:.1f} us "
+            f"(target {t['single_prediction_us']:.0f}, goal {g['single_prediction_us']:.0f})"
+        )
+        print(
+            f"vmapped sweep               {out['sweep_configs_per_s']:,.0f} configs/s over "
+            f"{out['sweep_configs']:,} GPT-3 175B plans on 1,024 GPUs "
+            f"(target {t['sweep_configs_per_s']:,.0f}, goal {g['sweep_configs_per_s']:,.0f})"
+        )
+        print(
+            f"gradient / prediction       {out['grad_cost_ratio']:.2f}x "
+            f"(target {t['grad_cost_ratio']:.0f}, goal {g['grad_cost_ratio']:.0f})"
+        )
+        speedup = out["vs_calculon_speedup_per_config"]
+        print(f"vs Calculon (7 ms/config, quoted, not measured here)  {speedup:,.0f}x per config")
+        print("targets missed: " + (", ".join(missed) if missed else "none"))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

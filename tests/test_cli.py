@@ -1,0 +1,132 @@
+"""Command line: predict (table, --json, overrides, errors, Megatron flags) and validate."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffcost import cli
+from diffcost.megatron_args import parse_megatron_args
+from diffcost.validate import kendall_tau, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "configs" / "examples" / "gpt-1b-vtrain.yaml")
+SAMPLE = Path(__file__).parent / "data" / "e2e_sample.csv"
+JSON_KEYS = {"iteration_s", "tokens_per_s", "mfu", "breakdown", "memory_peak_bytes", "status"}
+
+
+def _json(capsys, argv):
+    assert cli.main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_predict_json_has_documented_keys(capsys):
+    d = _json(capsys, ["predict", EXAMPLE, "--json"])
+    assert JSON_KEYS <= set(d)
+    assert d["status"] == "ok"
+    assert sum(d["breakdown"].values()) == pytest.approx(d["iteration_s"], rel=1e-5)
+
+
+def test_predict_table_mentions_breakdown_and_verdict(capsys):
+    assert cli.main(["predict", EXAMPLE]) == 0
+    out = capsys.readouterr().out
+    for word in ("iteration", "compute", "pipeline bubble", "memory per GPU", "fits"):
+        assert word in out
+
+
+def test_overrides_change_the_prediction(capsys):
+    base = _json(capsys, ["predict", EXAMPLE, "--json"])
+    bigger = _json(capsys, ["predict", EXAMPLE, "plan.global_batch=64", "--json"])
+    assert bigger["iteration_s"] > base["iteration_s"]
+
+
+def test_oom_verdict(capsys):
+    d = _json(capsys, ["predict", EXAMPLE, "cluster.gpu.memory_GiB=2", "--json"])
+    assert d["status"] == "oom"
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback(capsys):
+    assert cli.main(["predict", EXAMPLE, "plan.tp=3"]) == 2
+    err = capsys.readouterr().err
+    assert "tp" in err and "3" in err
+    assert cli.main(["predict", EXAMPLE, "plan.tpp=2"]) == 2
+    assert "did you mean" in capsys.readouterr().err
+    assert cli.main(["predict", "no/such/file.yaml"]) == 2
+
+
+def test_megatron_args_parse_and_predict(capsys):
+    args = (
+        "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 2 "
+        "--global-batch-size 64 --sequence-parallel --recompute-granularity selective "
+        "--use-distributed-optimizer --bf16 --num-layers-per-virtual-pipeline-stage 6 --lr 1e-4"
+    )
+    model, plan, ignored = parse_megatron_args(args, n_gpus=16)
+    assert (plan.tp, plan.pp, plan.dp, plan.chunks, plan.zero) == (2, 2, 4, 2, 1)
+    assert plan.schedule == "interleaved" and plan.sequence_parallel
+    assert plan.recompute == "selective" and model.ffn_hidden == 4 * 2048
+    assert ignored == ["--lr"]
+    d = _json(
+        capsys,
+        ["predict", "--megatron-args", args, "--cluster", "dgx-h100", "--gpus", "16", "--json"],
+    )
+    assert d["n_gpus"] == 16 and d["status"] == "ok"
+
+
+def test_megatron_args_errors():
+    with pytest.raises(ValueError, match="--num-layers"):
+        parse_megatron_args("--hidden-size 1024", n_gpus=8)
+    with pytest.raises(ValueError, match="not divisible"):
+        parse_megatron_args(
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 "
+            "--tensor-model-parallel-size 3",
+            n_gpus=8,
+        )
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        parse_megatron_args(
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 "
+            "--micro-batch-size x",
+            n_gpus=8,
+        )
+
+
+def test_validate_reports_rows_sources_and_skips():
+    out = validate(SAMPLE)
+    s = out["summary"]
+    assert s["rows"] == len(out["rows"]) == 18
+    assert s["predicted"] + s["skipped"] == s["rows"]
+    reasons = {r["source"]: r["skipped"] for r in out["rows"] if r["skipped"]}
+    assert "architecture not given" in reasons["nvadlr_megatronlm_v1_blog"]
+    assert "no-such-cluster" in reasons["synthetic_bad_cluster"]
+    vtrain = [r for r in out["rows"] if r["source"] == "vtrain_ground_truth_single"]
+    assert all(r["predicted_iter_s"] > 0 and r["ape_pct"] is not None for r in vtrain)
+    assert any("vocab=50257" in d for d in vtrain[0]["defaults"])
+    assert set(out["by_source"]["vtrain_ground_truth_single"]) == {
+        "rows",
+        "predicted",
+        "skipped",
+        "mape_pct",
+        "max_ape_pct",
+        "kendall_tau",
+    }
+
+
+def test_validate_json_cli(capsys):
+    d = _json(capsys, ["validate", str(SAMPLE), "--json"])
+    row = d["rows"][0]
+    assert {"row", "source", "measured_iter_s", "predicted_iter_s", "ape_pct", "skipped"} <= set(
+        row
+    )
+
+
+def test_validate_malformed_csv(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="bad.csv: line 1: missing columns"):
+        validate(bad)
+
+
+def test_kendall_tau():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert kendall_tau([1], [1]) is None
