@@ -94,9 +94,13 @@ class PlanArrays:
 
 
 def _as_float(dtype):
-    """Converter to float leaves: ``dtype``, or JAX's default float (float64 under x64)."""
+    """Converter to float leaves: ``dtype``, or JAX's default float (float64 under x64).
+
+    Leaves are numpy arrays: building many configurations costs no device transfers, and jit
+    or any jax.numpy operation takes them as they are.
+    """
     dtype = jnp.result_type(float) if dtype is None else dtype
-    return lambda v: jnp.asarray(v, dtype=dtype)
+    return lambda v: np.asarray(v, dtype=dtype)
 
 
 def _one_hot(index: int, n: int) -> np.ndarray:
@@ -171,5 +175,5 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
 
 
 def stack(trees):
-    """Stack a list of identically shaped pytrees along a new leading (batch) axis."""
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+    """Stack a list of identically shaped pytrees along a new leading (batch) axis (numpy)."""
+    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 
 from diffcost import config as config_mod
-from diffcost.api import simulate_jit
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params, default_params
+from diffcost.simulate import simulate
 from diffcost.specs import ModelSpec, PlanSpec
 
 # Vocabulary of a model family when the source does not give it.
@@ -201,6 +201,11 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
     return model, plan, cluster, used
 
 
+@jax.jit
+def _simulate_batch(models, plans, clusters, params):
+    return jax.vmap(simulate, in_axes=(0, 0, 0, None))(models, plans, clusters, params)
+
+
 def read_rows(path: str | os.PathLike) -> list[dict]:
     """Rows of a measurement CSV; errors name the file and line."""
     with open(path, newline="", encoding="utf-8") as fh:
@@ -254,6 +259,7 @@ def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
     results: list[RowResult] = []
     batch = []
     cache: dict = {}
+    cluster_cache: dict = {}
     for i, row in enumerate(rows, start=1):
         measured = row.get("measured_iter_s", "").strip()
         r = RowResult(
@@ -270,13 +276,14 @@ def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
             r.skipped = str(e)
             continue
         r.defaults = used
-        batch.append((r, model_arrays(model), plan_arrays(plan), cluster_arrays(cluster)))
+        if cluster.name not in cluster_cache:
+            cluster_cache[cluster.name] = cluster_arrays(cluster)
+        batch.append((r, model_arrays(model), plan_arrays(plan), cluster_cache[cluster.name]))
     if batch:
         models = stack([b[1] for b in batch])
         plans = stack([b[2] for b in batch])
         clusters = stack([b[3] for b in batch])
-        run = jax.vmap(lambda m, p, c: simulate_jit(m, p, c, params))
-        out = jax.tree_util.tree_map(np.asarray, run(models, plans, clusters))
+        out = jax.tree_util.tree_map(np.asarray, _simulate_batch(models, plans, clusters, params))
         from diffcost.simulate import STATUS_NAMES
 
         for j, (r, *_rest) in enumerate(batch):

@@ -1,0 +1,85 @@
+"""Collective cost model against its closed forms in the limits where they are known."""
+
+import jax.numpy as jnp
+import pytest
+
+from diffcost import comm
+from diffcost.arrays import cluster_arrays
+from diffcost.params import default_params
+
+from helpers import CLUSTER
+
+BIG = 2.0**30  # large enough that latency and the small-message term are negligible
+REL = 0.02
+
+
+@pytest.fixture
+def env():
+    return cluster_arrays(CLUSTER, jnp.float64), default_params(jnp.float64)
+
+
+def test_placement_follows_the_dimension_order(env):
+    c, _ = env
+    inner = comm.place(8.0, 1.0, c.gpus_per_node)  # 8 adjacent ranks: one node
+    assert float(inner.per_node) == 8.0 and float(inner.nodes) == 1.0
+    outer = comm.place(4.0, 8.0, c.gpus_per_node)  # stride of a node: one rank per node
+    assert float(outer.per_node) == 1.0 and float(outer.nodes) == 4.0
+    mixed = comm.place(16.0, 2.0, c.gpus_per_node)  # 4 per node, 4 nodes
+    assert float(mixed.per_node) == 4.0 and float(mixed.nodes) == 4.0
+
+
+def test_all_reduce_in_one_node_is_the_ring_bound(env):
+    c, params = env
+    group = comm.place(8.0, 1.0, c.gpus_per_node)
+    bw = float(c.nvlink_Bps * params.nvlink_eff)
+    expected = 2 * 7 / 8 * BIG / bw
+    got = float(comm.all_reduce_s(BIG, group, c, params, 1e-3))
+    assert got == pytest.approx(expected, rel=REL)
+    # reduce-scatter and all-gather move half the data
+    assert float(comm.reduce_scatter_s(BIG, group, c, params, 1e-3)) == pytest.approx(
+        got / 2, rel=REL
+    )
+
+
+def test_all_reduce_across_nodes_is_bounded_by_nic_shares(env):
+    c, params = env
+    group = comm.place(4.0, 8.0, c.gpus_per_node)  # one rank per node on 4 nodes
+    nic = float(c.nic_Bps * params.nic_eff)
+    expected = 2 * 3 / 4 * BIG / nic
+    assert float(comm.all_reduce_s(BIG, group, c, params, 1e-3)) == pytest.approx(expected, rel=REL)
+
+
+def test_spanning_nodes_takes_the_faster_algorithm(env):
+    """8 nodes x 8 GPUs: a flat ring whose node crossings use all 8 NIC shares (NCCL's
+    multi-channel ring) beats the two-level scheme, whose phases do not overlap."""
+    c, params = env
+    group = comm.place(64.0, 1.0, c.gpus_per_node)
+    t = float(comm.all_reduce_s(BIG, group, c, params, 1e-3))
+    nvl = float(c.nvlink_Bps * params.nvlink_eff)
+    nic = float(c.nic_Bps * params.nic_eff)
+    ring = 2 * 63 / 64 * BIG / min(nvl, 8 * nic) + 2 * 63 * float(c.nic_latency_s)
+    hier = 2 * 7 / 8 * BIG / nvl + 2 * 7 / 8 * (BIG / 8) / nic
+    assert ring < hier
+    assert t == pytest.approx(ring, rel=REL)
+
+
+def test_small_messages_are_latency_bound_and_monotone(env):
+    c, params = env
+    group = comm.place(8.0, 1.0, c.gpus_per_node)
+    sizes = [0.0, 1.0, 1e3, 1e6, 1e9]
+    times = [float(comm.all_reduce_s(s, group, c, params, 1e-3)) for s in sizes]
+    assert times[0] == pytest.approx(0.0, abs=1e-15)
+    assert all(a < b for a, b in zip(times[1:], times[2:]))
+    assert times[1] >= float(c.nvlink_latency_s)  # at least one hop of latency
+
+
+def test_all_to_all_and_send(env):
+    c, params = env
+    group = comm.place(8.0, 1.0, c.gpus_per_node)
+    nvl = float(c.nvlink_Bps * params.nvlink_eff)
+    assert float(comm.all_to_all_s(BIG, group, c, params, 1e-3)) == pytest.approx(
+        7 / 8 * BIG / nvl, rel=REL
+    )
+    nic = float(c.nic_Bps * params.nic_eff)
+    assert float(comm.send_recv_s(BIG, 1.0, c, params)) == pytest.approx(BIG / nic, rel=REL)
+    assert float(comm.send_recv_s(BIG, 0.0, c, params)) == pytest.approx(BIG / nvl, rel=REL)
