@@ -2,12 +2,11 @@
 
 import jax.numpy as jnp
 import pytest
+from helpers import CLUSTER
 
 from diffcost import comm
 from diffcost.arrays import cluster_arrays
 from diffcost.params import default_params
-
-from helpers import CLUSTER
 
 BIG = 2.0**30  # large enough that latency and the small-message term are negligible
 REL = 0.02
