@@ -15,7 +15,7 @@ import numpy as np
 
 from diffcost import smooth
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
-from diffcost.params import Params, default_params
+from diffcost.params import Params
 from diffcost.simulate import Breakdown, simulate
 from diffcost.specs import Experiment
 
@@ -44,14 +44,29 @@ def load(config: str | os.PathLike | Experiment, overrides: Sequence[str] = ()) 
     return config_mod.load_experiment(str(config), list(overrides))
 
 
+def params_for(exp: Experiment, profile=None) -> tuple[Params, str]:
+    """The calibrated Params for the experiment's cluster and a note on which layers were used.
+
+    ``profile``: None for the cluster's default calibrated profile (device and cluster layers
+    under ``calibration/profiles/``), ``"none"`` for datasheet defaults, or a profile file.
+    """
+    from calibration.profile import params_for as _params_for
+
+    return _params_for(exp.cluster, profile)
+
+
 def predict(
     config: str | os.PathLike | Experiment,
     overrides: Sequence[str] = (),
     params: Params | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
+    profile=None,
 ) -> Breakdown:
-    """Predict one experiment; returns a ``Breakdown`` of numpy scalars/arrays."""
+    """Predict one experiment; returns a ``Breakdown`` of numpy scalars/arrays.
+
+    ``params`` overrides ``profile`` (see ``params_for``).
+    """
     exp = load(config, overrides)
-    params = default_params() if params is None else params
+    params = params_for(exp, profile)[0] if params is None else params
     out = simulate_jit(*experiment_arrays(exp), params, temperature=temperature)
     return jax.tree_util.tree_map(np.asarray, out)

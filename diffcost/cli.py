@@ -121,26 +121,35 @@ def cmd_predict(args) -> int:
     from diffcost import api
 
     exp = _experiment(args)
-    b = api.predict(exp)
+    params, note = api.params_for(exp, args.profile)
+    b = api.predict(exp, params=params)
     d = breakdown_dict(exp, b)
+    d["profile"] = note
     if args.trace:
         from diffcost import trace
 
-        trace.write_experiment_trace(args.trace, exp)
+        trace.write_experiment_trace(args.trace, exp, params)
         d["trace"] = args.trace
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         _print_prediction(exp, d)
+        print(f"constants: {note}")
         if args.trace:
             print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from calibration import command
+
+    return command.run(args)
+
+
 def cmd_validate(args) -> int:
     from diffcost.validate import validate
 
-    out = validate(args.csv)
+    out = validate(args.csv, profile=args.profile)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -190,6 +199,19 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    from diffcost import explain
+
+    exp = config_mod.load_experiment(args.config, args.overrides)
+    d = explain.explain(exp)
+    d["elasticities"] = d["elasticities"][: args.top]
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        explain.print_table(exp, d)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffcost",
@@ -206,12 +228,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cluster", help="cluster preset (with --megatron-args)")
     p.add_argument("--gpus", type=int, help="GPU count (with --megatron-args)")
+    p.add_argument("--profile", help="calibrated profile file, or 'none' for datasheet defaults")
     p.set_defaults(func=cmd_predict)
     v = sub.add_parser("validate", help="compare predictions with measured runs (CSV)")
     v.add_argument("csv", help="CSV in the schema of shared/data/README.md")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--rows", action="store_true", help="print every row")
+    v.add_argument("--profile", help="calibrated profile file, or 'none' for datasheet defaults")
     v.set_defaults(func=cmd_validate)
+    c = sub.add_parser("calibrate", help="fit a cluster's constants to measurements")
+    c.add_argument("data", nargs="+", help="measurement files or folders (CSV, nccl-tests logs)")
+    c.add_argument(
+        "--cluster",
+        action="append",
+        required=True,
+        help="cluster preset to calibrate (repeat for a joint fit)",
+    )
+    c.add_argument("--out", help="write one profile file here instead of calibration/profiles/")
+    c.add_argument("--steps", type=int, default=1500, help="maximum optimizer steps")
+    c.add_argument("--json", action="store_true", help="print one JSON summary")
+    c.set_defaults(func=cmd_calibrate)
+    e = sub.add_parser("explain", help="elasticity of iteration time to every hardware knob")
+    e.add_argument("config", help="experiment YAML (configs/examples/...)")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. plan.tp=4")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--top", type=int, metavar="N", help="only the N largest magnitudes")
+    e.set_defaults(func=cmd_explain)
     return parser
 
 
@@ -222,6 +264,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"CONFIG must come first; got override {args.config!r}")
     try:
         return args.func(args)
-    except (config_mod.ConfigError, ValueError, FileNotFoundError) as e:
+    except (config_mod.ConfigError, ValueError, FileNotFoundError, OSError) as e:
         print(f"diffcost {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,8 @@ def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPER
     if temperature == 0:
         return exact
     scale = jnp.mean(jnp.abs(x), axis=axis, keepdims=True)
-    ok = scale > 0
+    # below the smallest normal float the softness would flush to zero: use the exact max
+    ok = temperature * scale > jnp.finfo(x.dtype).tiny
     tau = temperature * jnp.where(ok, scale, 1.0)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     out = m + tau * jnp.log(jnp.sum(jnp.exp((x - m) / tau), axis=axis, keepdims=True))

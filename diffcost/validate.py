@@ -19,7 +19,7 @@ import numpy as np
 
 from diffcost import config as config_mod
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
-from diffcost.params import Params, default_params
+from diffcost.params import Params
 from diffcost.simulate import simulate
 from diffcost.specs import ModelSpec, PlanSpec
 
@@ -203,7 +203,7 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
 
 @jax.jit
 def _simulate_batch(models, plans, clusters, params):
-    return jax.vmap(simulate, in_axes=(0, 0, 0, None))(models, plans, clusters, params)
+    return jax.vmap(simulate)(models, plans, clusters, params)
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
@@ -246,15 +246,17 @@ def _summary(results: list[RowResult]) -> dict:
     }
 
 
-def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
+def validate(path: str | os.PathLike, params: Params | None = None, profile=None) -> dict:
     """Predict every row of a measurement CSV; per-row and per-source errors.
 
     Returns:
         ``{"summary": {...}, "by_source": {name: {...}}, "rows": [...]}`` with the keys
         documented in the README (``rows``, ``predicted``, ``skipped``, ``mape_pct``,
-        ``max_ape_pct``, ``kendall_tau``).
+        ``max_ape_pct``, ``kendall_tau``), and ``profiles``: cluster -> which calibrated layers
+        were used. ``params`` (one set for every row) overrides ``profile``; ``profile`` is None
+        for each cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a
+        profile file.
     """
-    params = default_params() if params is None else params
     rows = read_rows(path)
     results: list[RowResult] = []
     batch = []
@@ -277,13 +279,23 @@ def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
             continue
         r.defaults = used
         if cluster.name not in cluster_cache:
-            cluster_cache[cluster.name] = cluster_arrays(cluster)
-        batch.append((r, model_arrays(model), plan_arrays(plan), cluster_cache[cluster.name]))
+            if params is None:
+                from calibration.profile import params_for
+
+                cparams, note = params_for(cluster, profile)
+            else:
+                cparams, note = params, "parameters given by the caller"
+            cluster_cache[cluster.name] = (cluster_arrays(cluster), cparams, note)
+        carr, cparams, _note = cluster_cache[cluster.name]
+        batch.append((r, model_arrays(model), plan_arrays(plan), carr, cparams))
     if batch:
         models = stack([b[1] for b in batch])
         plans = stack([b[2] for b in batch])
         clusters = stack([b[3] for b in batch])
-        out = jax.tree_util.tree_map(np.asarray, _simulate_batch(models, plans, clusters, params))
+        row_params = stack([b[4] for b in batch])
+        out = jax.tree_util.tree_map(
+            np.asarray, _simulate_batch(models, plans, clusters, row_params)
+        )
         from diffcost.simulate import STATUS_NAMES
 
         for j, (r, *_rest) in enumerate(batch):
@@ -299,4 +311,5 @@ def validate(path: str | os.PathLike, params: Params | None = None) -> dict:
         "summary": _summary(results),
         "by_source": {k: _summary(v) for k, v in by_source.items()},
         "rows": [dataclasses.asdict(r) for r in results],
+        "profiles": {name: v[2] for name, v in cluster_cache.items()},
     }

@@ -136,7 +136,7 @@ def test_preset_facts():
     assert load_cluster("dgx2h-v100").gpus_per_node == 16
     assert load_cluster("dgx-gb200-nvl72").gpus_per_node == 72
     vtrain = load_cluster("vtrain-a100")
-    assert (vtrain.nvlink_GBps, vtrain.nics_per_node * vtrain.nic_Gbps) == (300, 800)
+    assert (vtrain.nvlink_GBps, vtrain.nics_per_node * vtrain.nic_Gbps) == (600, 800)
     gpt3 = load_model("gpt3-175b")
     assert (gpt3.mlp, gpt3.norm, gpt3.tied_embeddings, gpt3.ffn_hidden) == (
         "gelu", "layernorm", True, 4 * gpt3.hidden,

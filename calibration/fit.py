@@ -1,0 +1,322 @@
+"""Fit Params to measurements by gradient descent (optax), all levels jointly.
+
+Levels: GEMM kernels (time per shape and precision), collectives (time per size, group and
+placement), end-to-end iterations. The loss is a robust (Huber) penalty on
+``log(predicted / measured)`` per level, averaged per level and weighted, plus a Gaussian prior
+pulling every raw (log / logit) constant toward its datasheet default.
+
+Parameters are layered (``calibration.profiles``): device constants are one row per GPU family,
+cluster constants one row per cluster; each measurement gathers its rows, so a fit on several
+clusters with the same GPU shares the device constants.
+
+References:
+    Huber, "Robust Estimation of a Location Parameter" (1964); optax's ``adam`` and schedules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from calibration.profile import CLUSTER_FIELDS, DEVICE_FIELDS, FIELDS, gpu_family, to_values
+from calibration.readers import Measurements
+from diffcost import comm, kernels
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
+from diffcost.config import load_cluster
+from diffcost.params import Params, default_params
+from diffcost.simulate import simulate
+from diffcost.specs import PRECISIONS
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# A cluster preset whose GPU facts stand for a GPU family in kernel-only measurements.
+FAMILY_CLUSTER = {
+    "h100": "generic-h100",
+    "b200": "generic-b200",
+    "mi350": "generic-mi350",
+    "a100": "generic-a100-80g",
+    "v100": "generic-v100",
+    "gb200": "generic-gb200-nvl72",
+    "gb300": "generic-gb300-nvl72",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+    steps: int = 1500
+    learning_rate: float = 0.05
+    huber_delta: float = 0.05  # in log space: ~5% errors are quadratic, larger ones linear
+    prior_weight: float = 1e-3  # per raw constant, squared distance from the default
+    weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # e2e, collectives, gemm
+    tol: float = 1e-7  # stop when the loss improves less than this over `patience` steps
+    patience: int = 100
+    temperature: float = 1e-3
+
+
+@dataclasses.dataclass
+class FitResult:
+    device_values: dict[str, dict]  # family -> constrained device constants
+    cluster_values: dict[str, dict]  # cluster -> constrained cluster constants
+    params_by_cluster: dict[str, Params]
+    losses: list[float]
+    steps: int
+    seconds: float
+    converged: bool
+    residuals: dict[str, np.ndarray]  # level -> log(pred / meas) at the end
+
+
+def _leaves(fields):
+    return [FIELDS[f][0] for f in fields]
+
+
+DEVICE_LEAVES = _leaves(DEVICE_FIELDS)
+CLUSTER_LEAVES = _leaves(CLUSTER_FIELDS)
+
+
+def assemble(dev_tab: dict, clu_tab: dict, d_idx, c_idx) -> Params:
+    """Per-row Params: device leaves from row ``d_idx`` of ``dev_tab``, cluster leaves from
+    ``c_idx`` of ``clu_tab`` (index arrays give a batched Params)."""
+    kw = {leaf: dev_tab[leaf][d_idx] for leaf in DEVICE_LEAVES}
+    kw.update({leaf: clu_tab[leaf][c_idx] for leaf in CLUSTER_LEAVES})
+    return Params(**kw)
+
+
+def _collective_time(kind, size, group_size, per_node, cluster, params, temperature):
+    stride = cluster.gpus_per_node / per_node
+    group = comm.place(group_size, stride, cluster.gpus_per_node)
+    inter = jnp.where(per_node < group_size, 1.0, 0.0)  # send/recv crosses nodes?
+    times = jnp.stack(
+        [
+            comm.all_reduce_s(size, group, cluster, params, temperature),
+            comm.all_gather_s(size, group, cluster, params, temperature),
+            comm.reduce_scatter_s(size, group, cluster, params, temperature),
+            comm.all_to_all_s(size, group, cluster, params, temperature),
+            comm.send_recv_s(size, inter, cluster, params),
+        ]
+    )
+    return jnp.sum(kind * times)
+
+
+def _gemm_time(m, n, k, precision, cluster, params, temperature):
+    rate = jnp.sum(precision * cluster.peak_flops) * jnp.sum(precision * params.gemm_eff)
+    return kernels.gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature)
+
+
+@dataclasses.dataclass
+class Problem:
+    """Measurements as arrays plus the index of every device and cluster row."""
+
+    families: list[str]
+    clusters: list[str]
+    data: dict  # level -> dict of arrays (pytrees)
+    counts: dict  # level -> rows
+
+
+def build_problem(meas: Measurements, dtype=jnp.float32) -> Problem:
+    """Arrays of every measurement that maps to a known cluster (or GPU family)."""
+    families: list[str] = []
+    clusters: list[str] = []
+    cluster_cache: dict = {}
+
+    def cl(name):
+        if name not in cluster_cache:
+            spec = load_cluster(name)
+            cluster_cache[name] = (spec, cluster_arrays(spec, dtype))
+        return cluster_cache[name]
+
+    def idx(lst, key):
+        if key not in lst:
+            lst.append(key)
+        return lst.index(key)
+
+    data, counts = {}, {}
+    if meas.e2e:
+        rows = meas.e2e
+        data["e2e"] = {
+            "model": stack([model_arrays(r.model, dtype) for r in rows]),
+            "plan": stack([plan_arrays(r.plan, dtype) for r in rows]),
+            "cluster": stack([cluster_arrays(r.cluster, dtype) for r in rows]),
+            "d": np.array([idx(families, gpu_family(r.cluster.gpu.name)) for r in rows]),
+            "c": np.array([idx(clusters, r.cluster.name) for r in rows]),
+            "log_meas": np.log(np.array([r.measured_iter_s for r in rows], dtype=float)),
+        }
+    colls = [r for r in meas.collectives if r.cluster and r.collective in COLLECTIVES]
+    if colls:
+        specs = [cl(r.cluster) for r in colls]
+        data["coll"] = {
+            "kind": np.eye(len(COLLECTIVES))[[COLLECTIVES.index(r.collective) for r in colls]],
+            "size": np.array([r.size_bytes for r in colls], dtype=float),
+            "n": np.array([r.group_size for r in colls], dtype=float),
+            "per_node": np.array([r.per_node for r in colls], dtype=float),
+            "cluster": stack([s[1] for s in specs]),
+            "d": np.array([idx(families, gpu_family(s[0].gpu.name)) for s in specs]),
+            "c": np.array([idx(clusters, r.cluster) for r in colls]),
+            "log_meas": np.log(np.array([r.time_s for r in colls], dtype=float)),
+        }
+    gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in PRECISIONS]
+    if gemms:
+        specs = [cl(FAMILY_CLUSTER[g.gpu]) for g in gemms]
+        data["gemm"] = {
+            "m": np.array([g.batch * g.m for g in gemms], dtype=float),
+            "n": np.array([g.n for g in gemms], dtype=float),
+            "k": np.array([g.k for g in gemms], dtype=float),
+            "precision": np.eye(len(PRECISIONS))[[PRECISIONS.index(g.precision) for g in gemms]],
+            "cluster": stack([s[1] for s in specs]),
+            "d": np.array([idx(families, g.gpu) for g in gemms]),
+            "c": np.array([idx(clusters, FAMILY_CLUSTER[g.gpu]) for g in gemms]),
+            "log_meas": np.log(np.array([g.time_s for g in gemms], dtype=float)),
+        }
+    cast = lambda x: jnp.asarray(x, dtype) if np.asarray(x).dtype.kind == "f" else jnp.asarray(x)  # noqa: E731
+    data = jax.tree_util.tree_map(cast, data)
+    counts = {k: int(v["log_meas"].shape[0]) for k, v in data.items()}
+    return Problem(families=families, clusters=clusters, data=data, counts=counts)
+
+
+def predict_log(dev_tab, clu_tab, data, temperature):
+    """log of predicted times per level (dict level -> array)."""
+    out = {}
+    if "e2e" in data:
+        d = data["e2e"]
+        params = assemble(dev_tab, clu_tab, d["d"], d["c"])
+        run = jax.vmap(lambda m, p, c, pr: simulate(m, p, c, pr, temperature).iteration_s)
+        out["e2e"] = jnp.log(run(d["model"], d["plan"], d["cluster"], params))
+    if "coll" in data:
+        d = data["coll"]
+        params = assemble(dev_tab, clu_tab, d["d"], d["c"])
+        run = jax.vmap(lambda *a: _collective_time(*a, temperature))
+        out["coll"] = jnp.log(
+            run(d["kind"], d["size"], d["n"], d["per_node"], d["cluster"], params)
+        )
+    if "gemm" in data:
+        d = data["gemm"]
+        params = assemble(dev_tab, clu_tab, d["d"], d["c"])
+        run = jax.vmap(lambda *a: _gemm_time(*a, temperature))
+        out["gemm"] = jnp.log(run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params))
+    return out
+
+
+def initial_tables(problem: Problem, dtype=jnp.float32):
+    p0 = default_params(dtype)
+    dev = {
+        leaf: jnp.stack([getattr(p0, leaf)] * max(1, len(problem.families)))
+        for leaf in DEVICE_LEAVES
+    }
+    clu = {
+        leaf: jnp.stack([getattr(p0, leaf)] * max(1, len(problem.clusters)))
+        for leaf in CLUSTER_LEAVES
+    }
+    return dev, clu
+
+
+def make_loss(problem: Problem, cfg: FitConfig, dtype=jnp.float32) -> Callable:
+    dev0, clu0 = initial_tables(problem, dtype)
+    level_w = dict(zip(("e2e", "coll", "gemm"), cfg.weights))
+
+    def loss_fn(tables, data):
+        dev, clu = tables
+        logs = predict_log(dev, clu, data, cfg.temperature)
+        total = 0.0
+        for level, lp in logs.items():
+            resid = lp - data[level]["log_meas"]
+            w = data[level].get("weight", jnp.ones_like(resid))
+            total = total + level_w[level] * jnp.sum(
+                w * optax.huber_loss(resid, delta=cfg.huber_delta)
+            ) / jnp.sum(w)
+        prior = sum(jnp.sum(jnp.square(dev[k] - dev0[k])) for k in dev) + sum(
+            jnp.sum(jnp.square(clu[k] - clu0[k])) for k in clu
+        )
+        return total + cfg.prior_weight * prior
+
+    return loss_fn
+
+
+def fit(
+    meas: Measurements,
+    cfg: FitConfig = FitConfig(),
+    progress: bool = True,
+    problem: Problem | None = None,
+) -> FitResult:
+    """Fit device and cluster constants to ``meas``; returns the fitted values and residuals."""
+    problem = build_problem(meas) if problem is None else problem
+    if not problem.data:
+        raise ValueError("no usable measurements: nothing maps to a known cluster or GPU family")
+    loss_fn = make_loss(problem, cfg)
+    tables = initial_tables(problem)
+    schedule = optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05)
+    opt = optax.adam(schedule)
+    state = opt.init(tables)
+
+    @jax.jit
+    def step(tables, state, data):
+        loss, grads = jax.value_and_grad(loss_fn)(tables, data)
+        updates, state = opt.update(grads, state, tables)
+        return optax.apply_updates(tables, updates), state, loss
+
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = _progress(cfg.steps) if progress else None
+    converged = False
+    for i in range(cfg.steps):
+        tables, state, loss = step(tables, state, problem.data)
+        losses.append(float(loss))
+        if bar is not None and (i % 10 == 0 or i == cfg.steps - 1):
+            bar.update(i + 1, losses[-1])
+        if i >= cfg.patience and losses[i - cfg.patience] - losses[i] < cfg.tol:
+            converged = True
+            break
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    dev, clu = tables
+    logs = predict_log(dev, clu, problem.data, cfg.temperature)
+    residuals = {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in logs.items()}
+    p0 = default_params()
+    device_values, cluster_values, by_cluster = {}, {}, {}
+    for i, fam in enumerate(problem.families):
+        pr = p0.replace(**{leaf: dev[leaf][i] for leaf in DEVICE_LEAVES})
+        device_values[fam] = to_values(pr, DEVICE_FIELDS)
+    for j, name in enumerate(problem.clusters):
+        fam = gpu_family(load_cluster(name).gpu.name)
+        i = problem.families.index(fam) if fam in problem.families else 0
+        pr = assemble(dev, clu, i, j)
+        by_cluster[name] = pr
+        cluster_values[name] = to_values(pr, CLUSTER_FIELDS)
+    return FitResult(
+        device_values,
+        cluster_values,
+        by_cluster,
+        losses,
+        len(losses),
+        seconds,
+        converged,
+        residuals,
+    )
+
+
+class _progress:
+    """A small rich progress bar (steps and loss); silent when not on a terminal."""
+
+    def __init__(self, total):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(
+            TextColumn("calibrating"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("loss {task.fields[loss]:.4g}"),
+            TimeElapsedColumn(),
+            transient=True,
+        )
+        self._task = self._p.add_task("fit", total=total, loss=float("nan"))
+        self._p.start()
+
+    def update(self, done, loss):
+        self._p.update(self._task, completed=done, loss=loss)
+
+    def close(self):
+        self._p.stop()

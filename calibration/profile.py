@@ -1,0 +1,166 @@
+"""Calibrated profiles: layered Params for a cluster, stored as YAML.
+
+Two layers:
+
+* **device** constants (kernel efficiencies, launch gap): one set per GPU family, shared by
+  every cluster with that GPU (``calibration/profiles/device-<family>.yaml``);
+* **cluster** constants (link efficiencies and latencies, small-message curve, host dispatch,
+  interference, optimizer traffic, per-iteration overhead): one set per cluster
+  (``calibration/profiles/<cluster>.yaml``).
+
+``params_for(cluster)`` starts from the datasheet defaults, applies the device file of the
+cluster's GPU family when there is one, then the cluster's own file, and says which it used.
+Values in the files are the constrained (human) values, not the raw reparametrized leaves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from calibration.readers import gpu_family
+from diffcost.params import Params, default_params
+from diffcost.specs import PRECISIONS, ClusterSpec
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+# field name in a profile -> (raw leaf, transform): "log" or "logit"
+FIELDS = {
+    "gemm_eff": ("gemm_eff_logit", "logit"),
+    "gemm_dim_half": ("gemm_dim_half_log", "log"),
+    "attn_eff": ("attn_eff_logit", "logit"),
+    "mem_eff": ("mem_eff_logit", "logit"),
+    "kernel_overhead_s": ("kernel_overhead_log_s", "log"),
+    "host_op_s": ("host_op_log_s", "log"),
+    "nvlink_eff": ("nvlink_eff_logit", "logit"),
+    "nic_eff": ("nic_eff_logit", "logit"),
+    "nvlink_latency_scale": ("nvlink_latency_log_scale", "log"),
+    "nic_latency_scale": ("nic_latency_log_scale", "log"),
+    "half_bw_bytes": ("half_bw_log_bytes", "log"),
+    "interference": ("interference_log", "log"),
+    "optimizer_bytes_per_param": ("optimizer_log_bytes_per_param", "log"),
+    "iteration_overhead_s": ("iteration_overhead_log_s", "log"),
+}
+DEVICE_FIELDS = ("gemm_eff", "gemm_dim_half", "attn_eff", "mem_eff", "kernel_overhead_s")
+CLUSTER_FIELDS = tuple(f for f in FIELDS if f not in DEVICE_FIELDS)
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, malformed or names unknown constants."""
+
+
+def _to_raw(kind: str, value):
+    v = np.asarray(value, dtype=float)
+    return np.log(v) if kind == "log" else np.log(v) - np.log1p(-v)
+
+
+def _from_raw(kind: str, raw):
+    r = np.asarray(raw, dtype=float)
+    return np.exp(r) if kind == "log" else 1.0 / (1.0 + np.exp(-r))
+
+
+def to_values(params: Params, fields=tuple(FIELDS)) -> dict:
+    """Constrained values of ``fields`` (``gemm_eff`` as a per-precision mapping)."""
+    out = {}
+    for name in fields:
+        leaf, kind = FIELDS[name]
+        v = _from_raw(kind, getattr(params, leaf))
+        out[name] = {p: float(x) for p, x in zip(PRECISIONS, v)} if name == "gemm_eff" else float(v)
+    return out
+
+
+def apply_values(params: Params, values: dict, where: str = "profile") -> Params:
+    """``params`` with the constrained ``values`` replacing their defaults."""
+    updates = {}
+    for name, value in values.items():
+        if name not in FIELDS:
+            raise ProfileError(f"{where}: unknown constant '{name}' (known: {', '.join(FIELDS)})")
+        leaf, kind = FIELDS[name]
+        if name == "gemm_eff":
+            current = np.array(getattr(params, leaf), dtype=float)
+            if not isinstance(value, dict):
+                raise ProfileError(f"{where}: gemm_eff must map precisions to fractions")
+            for p, x in value.items():
+                if p not in PRECISIONS:
+                    raise ProfileError(f"{where}: gemm_eff.{p}: unknown precision")
+                current[PRECISIONS.index(p)] = _to_raw(kind, x)
+            raw = current
+        else:
+            raw = _to_raw(kind, value)
+        if not np.all(np.isfinite(raw)):
+            raise ProfileError(f"{where}: {name}={value!r} is out of range for a {kind} constant")
+        updates[leaf] = jnp.asarray(raw, dtype=getattr(params, leaf).dtype)
+    return params.replace(**updates)
+
+
+def _read(path: Path) -> dict:
+    try:
+        with open(path) as fh:
+            doc = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict) or "constants" not in doc:
+        raise ProfileError(f"{path}: expected a mapping with 'constants'")
+    return doc
+
+
+def device_path(family: str) -> Path:
+    return PROFILES_DIR / f"device-{family}.yaml"
+
+
+def cluster_path(cluster: str) -> Path:
+    return PROFILES_DIR / f"{cluster}.yaml"
+
+
+def params_for(cluster: ClusterSpec, profile: str | os.PathLike | None = None, dtype=None):
+    """(Params, note) for ``cluster``.
+
+    Args:
+        profile: None for the default layering (device file, then cluster file); ``"none"``
+            for datasheet defaults; or a path to a cluster profile file.
+
+    Returns:
+        The Params and a one-line note saying which layers were used.
+    """
+    params = default_params(dtype)
+    if profile is not None and str(profile) == "none":
+        return params, "datasheet defaults (--profile none)"
+    used = []
+    family = gpu_family(cluster.gpu.name)
+    if profile is None:
+        dev = device_path(family)
+        if dev.exists():
+            params = apply_values(params, _read(dev)["constants"], str(dev))
+            used.append(f"device profile {dev.name}")
+        path = cluster_path(cluster.name)
+    else:
+        path = Path(profile)
+        if not path.exists():
+            raise ProfileError(f"profile file {path} does not exist")
+    if path.exists():
+        doc = _read(path)
+        params = apply_values(params, doc["constants"], str(path))
+        used.append(f"cluster profile {path.name}")
+    if not used:
+        return params, f"no calibrated profile for {cluster.name} ({family}): datasheet defaults"
+    return params, " + ".join(used)
+
+
+def write_profile(path: Path, values: dict, meta: dict) -> Path:
+    """Write constrained ``values`` with provenance ``meta`` as a profile file."""
+    doc = {**meta, "written": datetime.date.today().isoformat(), "constants": values}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(f"# diffcost calibrated profile: {meta.get('layer', '')} {meta.get('key', '')}\n")
+        yaml.safe_dump(doc, fh, sort_keys=False)
+    return path
+
+
+def defaults_table() -> dict:
+    """The datasheet defaults in profile form (for reports)."""
+    return to_values(default_params())

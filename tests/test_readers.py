@@ -1,0 +1,517 @@
+"""Readers of measurement files (calibration.readers): fixtures, errors, and the shared data."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from calibration.readers import (
+    CollectiveRecord,
+    GemmRecord,
+    Measurements,
+    ReaderError,
+    Source,
+    detect_kind,
+    gpu_family,
+    load,
+    read_collectives_csv,
+    read_e2e_csv,
+    read_gemm_csv,
+    read_nccl_tests,
+)
+
+DATA = Path(__file__).parent / "data"
+E2E = DATA / "readers_e2e.csv"
+COLL = DATA / "readers_collectives.csv"
+GEMM = DATA / "readers_gemm.csv"
+NCCL_AR = DATA / "readers_nccl_all_reduce.txt"
+NCCL_AG = DATA / "readers_nccl_all_gather.log"
+NCCL_SR = DATA / "readers_nccl_sendrecv_2host.txt"
+SHARED = Path("/work/shared/data")
+
+
+def _line_of(path: Path, text: str) -> int:
+    """1-based number of the first line of ``path`` that contains ``text``."""
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if text in line:
+            return i
+    raise AssertionError(f"{text!r} not in {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end CSV
+
+
+def test_e2e_fixture():
+    m = read_e2e_csv(E2E)
+    assert [r.source_name for r in m.e2e] == [
+        "vtrain_ground_truth_single",
+        "mosaicml_llmfoundry_benchmarks",
+        "nemo_perf_summary_24.07",
+    ]
+    first = m.e2e[0]
+    assert first.where == Source(str(E2E), 2) and first.row == 1
+    assert first.cluster.name == "vtrain-a100"
+    assert first.model.n_layers == 24 and first.model.hidden == 1024
+    assert (first.plan.tp, first.plan.pp, first.plan.dp) == (1, 2, 1)
+    assert first.measured_iter_s == pytest.approx(0.372160408)
+    assert "vocab=50257" in first.defaults
+    assert isinstance(first.defaults, tuple)
+    assert m.e2e[1].model.n_layers == 80 and m.e2e[1].plan.zero == 3
+    assert [(s.line, reason.split(":")[0]) for s, reason in m.skipped] == [
+        (5, "no cluster preset 'no-such-cluster'"),
+        (6, "architecture not given by the source"),
+        (7, "measured_iter_s blank"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives CSV
+
+
+def test_collectives_fixture():
+    m = read_collectives_csv(COLL)
+    by_source = {r.source_name: r for r in m.collectives}
+    assert len(m.collectives) == 5
+    vt = by_source["vtrain_allreduce_lut"]
+    assert vt == CollectiveRecord(
+        collective="all_reduce",
+        size_bytes=1048576.0,
+        group_size=4,
+        per_node=4,
+        n_nodes=1,
+        n_groups=1,
+        cluster="vtrain-a100",
+        dtype="fp32",
+        time_s=pytest.approx(51.4e-6),
+        source_name="vtrain_allreduce_lut",
+        where=Source(str(COLL), 2),
+    )
+    gcp = by_source["gcp_a3mega_ztan_nccl"]
+    assert (gcp.group_size, gcp.per_node, gcp.n_nodes, gcp.n_groups) == (16, 8, 2, 1)
+    ag, rs = (r for r in m.collectives if r.source_name == "xla_collective_perf_table")
+    # eight groups of 8 inside one 64-GPU NVLink domain: each group sits in the one "node"
+    assert (ag.collective, ag.group_size, ag.per_node, ag.n_nodes, ag.n_groups) == (
+        "all_gather",
+        8,
+        8,
+        1,
+        8,
+    )
+    assert ag.cluster == "generic-gb200-nvl72"
+    assert (rs.collective, rs.dtype, rs.group_size, rs.n_groups) == ("reduce_scatter", "bf16", 4, 2)
+    # sendrecv_perf on 8 GPUs of one node: a ring of 8 one-way transfers, each inside the node
+    sr = by_source["liplus_playground_nccl"]
+    assert (sr.collective, sr.group_size, sr.per_node, sr.n_nodes, sr.n_groups) == (
+        "send_recv",
+        2,
+        2,
+        1,
+        8,
+    )
+    reasons = {s.line: r for s, r in m.skipped}
+    assert set(reasons) == {5, 8}
+    assert reasons[5].startswith("collective 'permute' not read")
+    assert reasons[8] == "blank time_us"
+
+
+def test_collectives_selection():
+    m = read_collectives_csv(COLL, collectives=("all_reduce",))
+    assert {r.collective for r in m.collectives} == {"all_reduce"}
+    assert len(m.collectives) == 2 and len(m.skipped) == 5
+    with pytest.raises(ValueError, match="unknown collectives"):
+        read_collectives_csv(COLL, collectives=("permute",))
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM CSV
+
+
+def test_gemm_fixture():
+    m = read_gemm_csv(GEMM)
+    got = [(g.gpu, g.precision, g.dtype) for g in m.gemms]
+    assert got == [
+        ("h100", "bf16", "bf16xbf16->bf16"),
+        ("b200", "fp32", "f32xf32->f32"),
+        ("h100", "fp8", "f8e4m3fnxf8e5m2->bf16"),
+        ("mi350", "bf16", "bf16xbf16->f32"),
+        ("mi350", "fp16", "f16xf16->f16"),
+        ("mi350", "fp8", "f8e5m2xf8e4m3fn->f32"),
+    ]
+    g = m.gemms[0]
+    assert (g.batch, g.m, g.n, g.k) == (2, 1024, 256, 256)
+    assert g.time_s == pytest.approx(2 * 2 * 1024 * 256 * 256 / 45221606469002)
+    assert g.time_s == pytest.approx(5.936e-6, rel=1e-3)  # the CSV's rounded time_us
+    assert g.where == Source(str(GEMM), 2) and g.source_name == "xla_default_matmul_perf_table"
+    reasons = [(s.line, r) for s, r in m.skipped]
+    assert reasons[0][0] == 8 and "fp8 GEMM with f8e4m3fn output" in reasons[0][1]
+    assert reasons[1][0] == 9 and "inputs of different precisions" in reasons[1][1]
+    assert len(reasons) == 2
+
+
+@pytest.mark.parametrize(
+    "name, family",
+    [
+        ("H100 (sm_90; SKU not stated)", "h100"),
+        ("B200", "b200"),
+        ("AMD MI350 (gfx950)", "mi350"),
+        ("MI350X", "mi350"),
+        ("GB200-B200", "gb200"),
+        ("A100-SXM4-80GB", "a100"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("V100-SXM3-32GB", "v100"),
+        ("Some New Chip (x)", "some-new-chip"),
+    ],
+)
+def test_gpu_family(name, family):
+    assert gpu_family(name) == family
+
+
+# ---------------------------------------------------------------------------------------------
+# nccl-tests output
+
+
+def test_nccl_all_reduce():
+    m = read_nccl_tests(NCCL_AR, cluster="dgx-h100")
+    assert len(m.collectives) == 32 and not m.skipped
+    first, last = m.collectives[0], m.collectives[-1]
+    assert first.where == Source(str(NCCL_AR), _line_of(NCCL_AR, "           8             2"))
+    assert (first.collective, first.size_bytes, first.dtype) == ("all_reduce", 8.0, "fp32")
+    assert first.time_s == pytest.approx(13.67e-6)  # out-of-place, not the in-place 13.03
+    assert last.size_bytes == 17179869184 and last.time_s == pytest.approx(62648e-6)
+    assert {(r.group_size, r.per_node, r.n_nodes, r.n_groups) for r in m.collectives} == {
+        (8, 8, 1, 1)
+    }
+    assert {r.cluster for r in m.collectives} == {"dgx-h100"}
+    assert {r.source_name for r in m.collectives} == {"nccl-tests"}
+
+
+def test_nccl_all_gather_old_layout_two_hosts():
+    """No redop/root columns; the test named only on the command line; 2 hosts x 4 GPUs."""
+    m = read_nccl_tests(NCCL_AG)
+    assert len(m.collectives) == 6
+    r = m.collectives[0]
+    assert (r.collective, r.size_bytes, r.cluster) == ("all_gather", 1048576.0, None)
+    assert r.time_s == pytest.approx(143.18e-6)
+    assert (r.group_size, r.per_node, r.n_nodes, r.n_groups) == (8, 4, 2, 1)
+    # one NVLink domain over both hosts (e.g. an NVL72 rack): the caller says so
+    one = read_nccl_tests(NCCL_AG, gpus_per_node=8).collectives[0]
+    assert (one.group_size, one.per_node, one.n_nodes) == (8, 8, 1)
+
+
+def test_nccl_sendrecv_two_hosts():
+    """The test named only by the file name; one rank per host: the pair crosses nodes."""
+    m = read_nccl_tests(NCCL_SR, cluster="dgx-h100")
+    assert len(m.collectives) == 9
+    r = m.collectives[-1]
+    assert (r.collective, r.dtype, r.size_bytes) == ("send_recv", "bf16", 134217728.0)
+    assert r.time_s == pytest.approx(2933.62e-6)
+    assert (r.group_size, r.per_node, r.n_nodes, r.n_groups) == (2, 1, 2, 2)
+
+
+_SPLIT = """\
+# Collective test starting: alltoall_perf
+# nThread 1 nGpus 4 minBytes 1024 maxBytes 4096 step: 2(factor) warmup iters: 5 iters: 20
+#
+# Using devices
+#  Rank  0 Group  0 Pid   1000 on     node-a device  0 [0x1b] NVIDIA H100 80GB HBM3
+#  Rank  1 Group  0 Pid   1000 on     node-a device  1 [0x2b] NVIDIA H100 80GB HBM3
+#  Rank  2 Group  1 Pid   1000 on     node-a device  2 [0x3b] NVIDIA H100 80GB HBM3
+#  Rank  3 Group  1 Pid   1000 on     node-a device  3 [0x4b] NVIDIA H100 80GB HBM3
+#
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+        1024           128  bfloat16    none      -1    10.10    0.10    0.05      0    10.20    0.10    0.05      0
+        2048           256  bfloat16    none      -1    11.00    0.19    0.09      0    11.10    0.18    0.09      0
+# Avg bus bandwidth    : 0.07
+# Collective test starting: broadcast_perf
+# nThread 1 nGpus 4 minBytes 1024 maxBytes 1024 step: 2(factor) warmup iters: 5 iters: 20
+#
+# Using devices
+#  Rank  0 Group  0 Pid   1001 on     node-a device  0 [0x1b] NVIDIA H100 80GB HBM3
+#  Rank  1 Group  0 Pid   1001 on     node-a device  1 [0x2b] NVIDIA H100 80GB HBM3
+#
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+        1024           256     float    none       0     8.00    0.13    0.13      0     8.10    0.13    0.13      0
+# Avg bus bandwidth    : 0.13
+"""
+
+
+def test_nccl_split_groups_and_several_tables(tmp_path):
+    path = tmp_path / "log.txt"
+    path.write_text(_SPLIT)
+    m = read_nccl_tests(path, cluster="generic-h100")
+    assert [(r.collective, r.size_bytes) for r in m.collectives] == [
+        ("all_to_all", 1024.0),
+        ("all_to_all", 2048.0),
+    ]
+    r = m.collectives[0]
+    assert (r.group_size, r.per_node, r.n_nodes, r.n_groups) == (2, 2, 1, 2)
+    assert r.where.line == 12
+    assert len(m.skipped) == 1 and m.skipped[0][0].line == 23
+    assert "broadcast not read" in m.skipped[0][1]
+
+
+def test_nccl_undeterminable_test(tmp_path):
+    path = tmp_path / "results.txt"
+    shutil.copy(NCCL_SR, path)
+    header = _line_of(path, "#       size")
+    with pytest.raises(ReaderError, match="cannot tell which nccl-tests program") as e:
+        read_nccl_tests(path)
+    assert f"{path}:{header}:" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "     1048576        262144   float   oops    7.32    6.41  0e+00   141.03    7.44    6.51  0e+00",
+        "     1048576        262144   float",
+        "  1048576.5        262144   float   143.18    7.32    6.41  0e+00   141.03    7.44    6.51  0e+00",
+        "Segmentation fault (core dumped)",
+    ],
+)
+def test_nccl_malformed_line(tmp_path, bad):
+    lines = NCCL_AG.read_text().splitlines()
+    at = _line_of(NCCL_AG, "     4194304")  # replace the second data line
+    lines[at - 1] = bad
+    path = tmp_path / "all_gather.log"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReaderError, match="malformed nccl-tests data line") as e:
+        read_nccl_tests(path)
+    assert str(e.value).startswith(f"{path}:{at}: ")
+    assert bad.strip() in str(e.value)
+    assert e.value.file == str(path) and e.value.line == at
+
+
+def test_nccl_rank_problems(tmp_path):
+    # nccl-tests built without MPI: every process is its own rank 0
+    text = NCCL_SR.read_text().replace("Rank  1 Group", "Rank  0 Group")
+    path = tmp_path / "sendrecv.txt"
+    path.write_text(text)
+    with pytest.raises(ReaderError, match="rank 0 listed twice") as e:
+        read_nccl_tests(path)
+    assert f"{path}:{_line_of(path, 'Pid  50562')}:" in str(e.value)
+    # no rank lines at all
+    path.write_text("\n".join(ln for ln in NCCL_SR.read_text().splitlines() if "Rank" not in ln))
+    with pytest.raises(ReaderError, match="no '#  Rank"):
+        read_nccl_tests(path)
+    path.write_text("# nThread 1 nGpus 1\n# Using devices\n")
+    with pytest.raises(ReaderError, match="no nccl-tests result table"):
+        read_nccl_tests(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV errors
+
+
+def _rewrite_csv(src: Path, dst: Path, edit) -> None:
+    with open(src, newline="") as fh:
+        rows = list(csv.reader(fh))
+    edit(rows)
+    with open(dst, "w", newline="") as fh:
+        csv.writer(fh, lineterminator="\n").writerows(rows)
+
+
+@pytest.mark.parametrize(
+    "reader, src, drop",
+    [
+        (read_e2e_csv, E2E, ("measured_iter_s", "hidden")),
+        (read_collectives_csv, COLL, ("time_us",)),
+        (read_gemm_csv, GEMM, ("dtype", "k")),
+    ],
+)
+def test_missing_columns(tmp_path, reader, src, drop):
+    dst = tmp_path / "x.csv"
+
+    def edit(rows):
+        idx = [rows[0].index(c) for c in drop]
+        for row in rows:
+            for i in sorted(idx, reverse=True):
+                del row[i]
+
+    _rewrite_csv(src, dst, edit)
+    with pytest.raises(ReaderError, match="missing required") as e:
+        reader(dst)
+    msg = str(e.value)
+    assert msg.startswith(f"{dst}:1: ")
+    assert all(c in msg for c in drop)
+
+
+@pytest.mark.parametrize(
+    "reader, src, column, value",
+    [
+        (read_e2e_csv, E2E, "global_batch", "lots"),
+        (read_e2e_csv, E2E, "tp", "2.5"),
+        (read_collectives_csv, COLL, "size_bytes", "1MiB"),
+        (read_collectives_csv, COLL, "group_size", "nan"),
+        (read_gemm_csv, GEMM, "flops_per_s", "fast"),
+    ],
+)
+def test_bad_cells(tmp_path, reader, src, column, value):
+    dst = tmp_path / "x.csv"
+
+    def edit(rows):
+        rows[2][rows[0].index(column)] = value
+
+    _rewrite_csv(src, dst, edit)
+    with pytest.raises(ReaderError) as e:
+        reader(dst)
+    msg = str(e.value)
+    assert msg.startswith(f"{dst}:3: ") and f"'{column}'" in msg and value in msg
+
+
+def test_line_numbers_with_multiline_cells(tmp_path):
+    dst = tmp_path / "x.csv"
+    _rewrite_csv(GEMM, dst, lambda rows: rows[1].__setitem__(12, "two\nlines"))
+    m = read_gemm_csv(dst)
+    assert [g.where.line for g in m.gemms[:3]] == [2, 4, 5]
+
+
+def test_ragged_row(tmp_path):
+    dst = tmp_path / "x.csv"
+    _rewrite_csv(COLL, dst, lambda rows: rows[3].append("extra"))
+    with pytest.raises(ReaderError, match=r"x\.csv:4: 19 cells, the header has 18"):
+        read_collectives_csv(dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# load() and Measurements
+
+
+def test_load_detects_formats(tmp_path):
+    for f in (E2E, COLL, GEMM, NCCL_AR, NCCL_AG, NCCL_SR):
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "README.md").write_text("not read: wrong suffix\n")
+    assert [detect_kind(tmp_path / f.name) for f in (E2E, COLL, GEMM, NCCL_AR)] == [
+        "e2e",
+        "collectives",
+        "gemm",
+        "nccl-tests",
+    ]
+    m = load([tmp_path], cluster=["dgx-h100"])
+    assert (len(m.e2e), len(m.collectives), len(m.gemms)) == (3, 5 + 32 + 6 + 9, 6)
+    assert {r.cluster for r in m.collectives if r.source_name == "nccl-tests"} == {"dgx-h100"}
+    assert len(m.skipped) == 3 + 2 + 2
+    single = load(str(tmp_path / GEMM.name))
+    assert len(single.gemms) == 6
+    with pytest.raises(ReaderError, match="give one"):
+        load([tmp_path / NCCL_AR.name], cluster=["a", "b"])
+
+
+def test_load_rejects_unknown_files(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\nworld\n")
+    with pytest.raises(ReaderError, match="accepted: end-to-end CSV") as e:
+        load([bad])
+    assert str(e.value).startswith(f"{bad}:1: ")
+    other = tmp_path / "other.csv"
+    other.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(ReaderError, match="nccl-tests stdout"):
+        load([other])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ReaderError, match="no \\*.csv"):
+        load([empty])
+
+
+def test_measurements_filter_and_add():
+    e2e, coll, gemm = read_e2e_csv(E2E), read_collectives_csv(COLL), read_gemm_csv(GEMM)
+    m = e2e + coll + gemm
+    assert isinstance(m, Measurements)
+    assert (len(m.e2e), len(m.collectives), len(m.gemms), len(m.skipped)) == (3, 5, 6, 7)
+    assert sum([e2e, coll, gemm]).counts() == m.counts()
+    assert m.counts()["skipped"]["blank time_us"] == 1
+
+    vt = m.filter(cluster="vtrain-a100")
+    assert [r.cluster.name for r in vt.e2e] == ["vtrain-a100"]
+    assert [r.source_name for r in vt.collectives] == ["vtrain_allreduce_lut"]
+    assert vt.gemms == [] and vt.skipped == m.skipped  # no A100 GEMMs in the fixture
+
+    h100 = m.filter(gpu="h100")
+    assert {r.cluster.name for r in h100.e2e} == {"mosaic-h100", "dgx-h100"}
+    assert [r.cluster for r in h100.collectives] == ["gcp-a3-mega"]
+    assert {g.gpu for g in h100.gemms} == {"h100"} and len(h100.gemms) == 2
+
+    both = m.filter(cluster=["generic-mi350", "vtrain-a100"], gpu="MI350X")
+    assert both.e2e == [] and [r.dtype for r in both.collectives] == ["bf16"]
+    assert len(both.gemms) == 3
+
+    src = m.filter(sources={"liplus_playground_nccl", "xla_default_matmul_perf_table"})
+    assert len(src.collectives) == 1 and len(src.gemms) == 6 and src.e2e == []
+    with pytest.raises(AttributeError):
+        src.gemms[0].gpu = "x"  # frozen
+    assert isinstance(src.gemms[0], GemmRecord)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared data set (counts quoted in shared/data/README.md)
+
+
+needs_shared = pytest.mark.skipif(
+    not SHARED.is_dir(), reason=f"shared data set not present at {SHARED}"
+)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return {
+        "e2e": read_e2e_csv(SHARED / "e2e" / "calibration.csv"),
+        "coll": read_collectives_csv(SHARED / "collectives" / "collectives.csv"),
+        "gemm": read_gemm_csv(SHARED / "kernels" / "gemm.csv"),
+    }
+
+
+@needs_shared
+def test_shared_e2e(shared):
+    m = shared["e2e"]
+    assert len(m.e2e) == 1790 and len(m.e2e) + len(m.skipped) == 1794
+    assert Counter(s.split(":")[0] for _, s in m.skipped) == {
+        "architecture not given by the source": 4
+    }
+    assert {r.source_name for r in m.e2e} >= {"vtrain_ground_truth_single", "alpa_benchmark_readme"}
+
+
+@needs_shared
+def test_shared_collectives(shared):
+    m = shared["coll"]
+    path = SHARED / "collectives" / "collectives.csv"
+    lut = [r for r in m.collectives if r.source_name == "vtrain_allreduce_lut"]
+    assert len(lut) == 14336 and {r.collective for r in lut} == {"all_reduce"}
+    assert len(m.collectives) + len(m.skipped) == 17798
+    assert Counter(r.split(" not read")[0] for _, r in m.skipped) == {"collective 'permute'": 407}
+    # spot check one record against its CSV line
+    rec = lut[5000]
+    with open(path, newline="") as fh:
+        row = list(csv.DictReader(fh))[rec.where.line - 2]
+    assert row["source"] == "vtrain_allreduce_lut"
+    assert rec.size_bytes == float(row["size_bytes"])
+    assert rec.time_s == pytest.approx(float(row["time_us"]) * 1e-6, rel=1e-12)
+    assert rec.group_size == int(row["n_gpus"]) == rec.per_node and rec.cluster == row["cluster"]
+
+
+@needs_shared
+def test_shared_nccl_sample_matches_fixture(shared):
+    """The all_reduce fixture holds the dgxc README sample; both readers agree."""
+    csv_rows = [r for r in shared["coll"].collectives if r.source_name.startswith("nvidia_dgxc")]
+    raw = read_nccl_tests(NCCL_AR, cluster="dgx-h100").collectives
+    assert [(r.size_bytes, r.time_s, r.group_size, r.per_node) for r in csv_rows] == [
+        (r.size_bytes, pytest.approx(r.time_s), r.group_size, r.per_node) for r in raw
+    ]
+
+
+@needs_shared
+def test_shared_gemm(shared):
+    m = shared["gemm"]
+    assert Counter(g.gpu for g in m.gemms) == {"h100": 1875, "b200": 1875, "mi350": 4125}
+    assert len(m.gemms) + len(m.skipped) == 9750
+    assert all("fp8 GEMM with f8e" in r for _, r in m.skipped) and len(m.skipped) == 1875
+    assert Counter(g.precision for g in m.gemms if g.gpu == "mi350") == {
+        "fp8": 2250,
+        "bf16": 750,
+        "fp16": 750,
+        "fp32": 375,
+    }
