@@ -1,0 +1,342 @@
+"""Which knob matters: the elasticity of iteration time to every hardware and calibrated constant.
+
+For each parameter ``x`` the elasticity is ``d ln T / d ln x``: the percent change of the
+predicted iteration time ``T`` per percent change of ``x`` (``-1`` for a fully compute-bound
+run's peak FLOP/s, ``0`` for a knob that does not touch the critical path). All of them come
+exactly out of one reverse pass (``jax.grad``) through ``diffcost.simulate``.
+
+Every knob is written as a log-scale perturbation ``u`` of the value the model uses, so the
+elasticity is ``d ln T / d u`` at ``u = 0``:
+
+* cluster facts: ``x -> x * exp(u)``;
+* log-stored ``Params`` (``x = exp(raw)``): ``raw -> raw + u``;
+* logit-stored fractions (``p = sigmoid(raw)``): ``raw -> raw + u / (1 - p)``, which moves
+  ``ln p`` by ``u`` to first order, i.e. ``d ln T / d ln p = (d T / d raw) / T / (1 - p)``.
+
+Peak FLOP/s and GEMM efficiency have one entry per precision. The GEMMs run at the model's
+precision; attention runs at the 16-bit rate ``max(bf16, fp16)``. For a 16-bit model whose
+entry is that maximum both are one physical number, so its knob scales both 16-bit entries
+(which keeps the derivative of the ``max`` exact at a tie); otherwise the 16-bit rate is a
+separate knob. Memory capacity and GPUs per node are not speed knobs and are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffcost import smooth
+from diffcost.arrays import GiB
+from diffcost.params import Params, default_params
+from diffcost.simulate import STATUS_NAMES, simulate
+from diffcost.specs import PRECISIONS, Experiment
+
+_BF16, _FP16 = PRECISIONS.index("bf16"), PRECISIONS.index("fp16")
+_HARDWARE, _CALIBRATION = "hardware", "calibration"
+
+# (ClusterArrays field in SI units, name, unit shown, factor from SI to that unit)
+_CLUSTER_KNOBS = (
+    ("hbm_Bps", "HBM bandwidth", "GB/s", 1e-9),
+    ("nvlink_Bps", "NVLink bandwidth (one way)", "GB/s", 1e-9),
+    ("nic_Bps", "NIC bandwidth per GPU", "Gbit/s", 8e-9),
+    ("nvlink_latency_s", "NVLink latency", "µs", 1e6),
+    ("nic_latency_s", "NIC latency", "µs", 1e6),
+    ("oversubscription", "fabric oversubscription", "x", 1.0),
+)
+# Labels of the Params leaves: raw leaf -> (name, unit shown, factor to that unit). Every scalar
+# leaf of ``Params`` is a knob (``*_logit``: a fraction, ``*_log*``: a positive quantity), so a
+# constant added there shows up here; one without a label gets its field name.
+_PARAM_LABELS = {
+    "gemm_dim_half_log": ("GEMM half-efficiency dim", "", 1.0),
+    "attn_eff_logit": ("attention kernel efficiency", "%", 100.0),
+    "mem_eff_logit": ("HBM efficiency", "%", 100.0),
+    "kernel_overhead_log_s": ("kernel launch overhead", "µs", 1e6),
+    "host_op_log_s": ("host time per op", "µs", 1e6),
+    "host_overlap_logit": ("host dispatch hidden", "%", 100.0),
+    "nvlink_eff_logit": ("NVLink efficiency", "%", 100.0),
+    "nic_eff_logit": ("NIC efficiency", "%", 100.0),
+    "nvlink_latency_log_scale": ("NVLink latency scale", "x", 1.0),
+    "nic_latency_log_scale": ("NIC latency scale", "x", 1.0),
+    "half_bw_log_bytes": ("half-bandwidth message", "MiB", 2.0**-20),
+    "collective_overhead_log_s": ("collective call overhead", "µs", 1e6),
+    "interference_log": ("overlap interference", "%", 100.0),
+    "optimizer_log_bytes_per_param": ("optimizer bytes per param", "B", 1.0),
+    "iteration_overhead_log_s": ("per-iteration overhead", "ms", 1e3),
+}
+_VECTOR_PARAM = "gemm_eff_logit"  # per precision: the vector knobs below
+
+
+def _param_knobs(params: Params) -> tuple[tuple[str, str, str], ...]:
+    """(raw leaf, key, "log" or "logit") of every scalar Params leaf but ``gemm_eff``.
+
+    The key is the constrained property's name: the raw name without ``_logit`` / ``_log``.
+    """
+    knobs = []
+    for field in dataclasses.fields(params):
+        raw = field.name
+        if raw == _VECTOR_PARAM or np.ndim(getattr(params, raw)) != 0:
+            continue
+        if raw.endswith("_logit"):
+            knobs.append((raw, raw.removesuffix("_logit"), "logit"))
+        elif "_log" in raw:
+            knobs.append((raw, raw.replace("_log", "", 1), "log"))
+    return tuple(knobs)
+
+
+# Vector knobs (per precision): 0 model-precision peak, 1 16-bit peak, 2 and 3 the same for
+# GEMM efficiency; their masks select the entries they scale.
+_N_VECTOR = 4
+
+
+def _precision_groups(values: np.ndarray, prec: int) -> tuple[np.ndarray, np.ndarray]:
+    """Masks of the entries moved by the model-precision knob and by the 16-bit knob.
+
+    The model-precision knob takes the other 16-bit entry along when the model runs in 16 bits
+    and its entry is the 16-bit maximum (both rates are then the same number); the 16-bit knob
+    takes what is left of bf16/fp16 (none, or both for an fp8/fp4/fp32 model).
+    """
+    a = np.zeros(len(PRECISIONS))
+    a[prec] = 1.0
+    if prec in (_BF16, _FP16):
+        other = _FP16 if prec == _BF16 else _BF16
+        if values[prec] >= values[other]:
+            a[other] = 1.0
+    b = np.zeros(len(PRECISIONS))
+    b[[_BF16, _FP16]] = 1.0
+    b = b * (1.0 - a)
+    if not np.any(b * values > 0):
+        b[:] = 0.0
+    return a, b
+
+
+def _perturb(u, cluster, params: Params, masks, knobs):
+    """Cluster and params moved by the log-scale knobs ``u`` (identity at ``u = 0``).
+
+    ``u``: the 4 vector knobs, then ``_CLUSTER_KNOBS``, then the Params ``knobs``.
+    """
+    m_peak, m_peak16, m_eff, m_eff16 = masks
+    n_c = len(_CLUSTER_KNOBS)
+    cu, pu = u[_N_VECTOR : _N_VECTOR + n_c], u[_N_VECTOR + n_c :]
+    peak = cluster.peak_flops * jnp.exp(u[0] * m_peak + u[1] * m_peak16)
+    cluster = cluster.replace(
+        peak_flops=peak,
+        **{
+            key: getattr(cluster, key) * jnp.exp(cu[i])
+            for i, (key, *_) in enumerate(_CLUSTER_KNOBS)
+        },
+    )
+    eff_raw = params.gemm_eff_logit
+    eff_raw = eff_raw + (u[2] * m_eff + u[3] * m_eff16) / (1.0 - params.gemm_eff)
+    changes = {"gemm_eff_logit": eff_raw}
+    for i, (raw, _, kind) in enumerate(knobs):
+        r = getattr(params, raw)
+        changes[raw] = r + (pu[i] if kind == "log" else pu[i] / (1.0 - jax.nn.sigmoid(r)))
+    return cluster, params.replace(**changes)
+
+
+def _params_for(exp: Experiment) -> tuple[Params, str]:
+    """The constants ``diffcost predict`` uses for this experiment (calibrated profile if any)."""
+    from diffcost import api
+
+    params_for = getattr(api, "params_for", None)
+    if params_for is None:
+        return default_params(), "datasheet defaults"
+    return params_for(exp)
+
+
+def _log_time_and_grad(u, model, plan, cluster, params, masks, knobs, temperature):
+    """The prediction and ``d ln T / d u``: one forward and one reverse pass."""
+
+    def log_time(u):
+        c, p = _perturb(u, cluster, params, masks, knobs)
+        out = simulate(model, plan, c, p, temperature)
+        return jnp.log(out.iteration_s), out
+
+    (_, out), grad = jax.value_and_grad(log_time, has_aux=True)(u)
+    return out, grad
+
+
+# The reverse pass is ~1,000 fusions; XLA:CPU's default pipeline takes ~30 s to compile it on a
+# small machine, these options ~7 s. The program runs once, so its speed does not matter.
+_FAST_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+
+
+_XLA_ERROR = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
+
+
+@functools.cache
+def _jitted(fast_compile: bool):
+    if fast_compile:
+        return jax.jit(
+            _log_time_and_grad,
+            static_argnames=("knobs", "temperature"),
+            compiler_options=_FAST_CPU_COMPILE,
+        )
+    return jax.jit(_log_time_and_grad, static_argnames=("knobs", "temperature"))
+
+
+def _run(*args, **static):
+    if jax.default_backend() == "cpu":
+        try:
+            return _jitted(True)(*args, **static)
+        except (TypeError, _XLA_ERROR):  # a JAX/XLA without these options
+            pass
+    return _jitted(False)(*args, **static)
+
+
+def explain(
+    exp: Experiment,
+    params: Params | None = None,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+) -> dict:
+    """Prediction summary and elasticities of one experiment (the ``explain --json`` object).
+
+    Returns:
+        ``{"iteration_s", "status", "memory_peak_bytes", "memory_capacity_bytes",
+        "memory_headroom_bytes", "constants", "elasticities"}``; ``elasticities`` as in
+        ``elasticities``, ``constants`` says which Params were used.
+    """
+    from diffcost.api import experiment_arrays, load
+
+    exp = load(exp)
+    note = "given Params"
+    if params is None:
+        params, note = _params_for(exp)
+    model, plan, cluster = experiment_arrays(exp)
+    dtype = np.asarray(cluster.hbm_Bps).dtype
+    # one dtype, no weak types: every call hits the same compiled program
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), params)
+    prec = PRECISIONS.index(exp.model.precision)
+    peak = np.asarray(cluster.peak_flops, dtype=float)
+    eff = np.asarray(params.gemm_eff, dtype=float)
+    m_peak, m_peak16 = _precision_groups(peak, prec)
+    m_eff, m_eff16 = _precision_groups(eff, prec)
+    masks = tuple(np.asarray(m, dtype=dtype) for m in (m_peak, m_peak16, m_eff, m_eff16))
+    knobs = _param_knobs(params)
+    u = np.zeros(_N_VECTOR + len(_CLUSTER_KNOBS) + len(knobs), dtype=dtype)
+    out, grad = _run(u, model, plan, cluster, params, masks, knobs=knobs, temperature=temperature)
+    grad = np.asarray(grad, dtype=float)
+
+    prec_name = exp.model.precision
+    rows = []
+
+    def row(key, group, name, value, unit, e):
+        r = dict(key=key, group=group, name=name, value=_round(value), unit=unit)
+        rows.append({**r, "elasticity": float(e)})
+
+    tflops = 1e-12 * peak
+    row("peak_flops", _HARDWARE, f"peak FLOP/s ({prec_name})", tflops[prec], "TFLOP/s", grad[0])
+    if m_peak16.any():
+        v16 = np.max(tflops * m_peak16)
+        row("peak_flops_16bit", _HARDWARE, "peak FLOP/s (16-bit)", v16, "TFLOP/s", grad[1])
+    row("gemm_eff", _CALIBRATION, f"GEMM efficiency ({prec_name})", 100 * eff[prec], "%", grad[2])
+    if m_eff16.any():
+        v16 = 100.0 * np.max(eff * m_eff16)
+        row("gemm_eff_16bit", _CALIBRATION, "GEMM efficiency (16-bit)", v16, "%", grad[3])
+    for i, (key, name, unit, scale) in enumerate(_CLUSTER_KNOBS):
+        value = float(np.asarray(getattr(cluster, key))) * scale
+        row(key, _HARDWARE, name, value, unit, grad[_N_VECTOR + i])
+    for i, (raw, key, kind) in enumerate(knobs):
+        name, unit, scale = _PARAM_LABELS.get(raw, (key.replace("_", " "), "", 1.0))
+        r = float(np.asarray(getattr(params, raw)))
+        value = (np.exp(r) if kind == "log" else 1.0 / (1.0 + np.exp(-r))) * scale
+        row(key, _CALIBRATION, name, value, unit, grad[_N_VECTOR + len(_CLUSTER_KNOBS) + i])
+    # largest magnitude first; knobs that enter only as a product (peak x efficiency) tie: the
+    # hardware one first
+    rows.sort(key=lambda r: (-round(abs(r["elasticity"]), 6), r["group"] != _HARDWARE))
+
+    f = lambda x: float(np.asarray(x))  # noqa: E731
+    return {
+        "iteration_s": f(out.iteration_s),
+        "status": STATUS_NAMES[int(out.status)],
+        "memory_peak_bytes": f(out.memory_peak_bytes),
+        "memory_capacity_bytes": f(out.memory_capacity_bytes),
+        "memory_headroom_bytes": f(out.memory_capacity_bytes) - f(out.memory_peak_bytes),
+        "constants": note,
+        "elasticities": rows,
+    }
+
+
+def elasticities(
+    exp: Experiment,
+    params: Params | None = None,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+) -> list[dict]:
+    """Elasticity ``d ln T / d ln x`` of the iteration time to every speed knob.
+
+    Args:
+        exp: an ``Experiment`` or a config path (``diffcost.api.load``).
+        params: calibrated constants (default: those ``diffcost predict`` uses, i.e. the
+            cluster's calibrated profile where there is one, else ``default_params()``).
+        temperature: smoothness of the model, as in ``simulate``.
+
+    Returns:
+        Dicts ``{"key", "group", "name", "value", "unit", "elasticity"}``, largest
+        ``|elasticity|`` first. ``value`` is in ``unit`` (human units: TFLOP/s, GB/s, us, %);
+        ``group`` is ``"hardware"`` (the cluster) or ``"calibration"`` (``Params``).
+
+    Examples:
+        >>> rows = elasticities("configs/examples/gpt-1b-vtrain.yaml")
+        >>> -1.0 <= next(r for r in rows if r["key"] == "peak_flops")["elasticity"] <= 0.0
+        True
+    """
+    return explain(exp, params, temperature)["elasticities"]
+
+
+def _round(value) -> float:
+    """A human value to 6 significant digits (no float32 noise such as 80.0000012)."""
+    return float(f"{float(value):.6g}")
+
+
+def format_value(value: float, unit: str) -> str:
+    """``312 TFLOP/s``, ``80%``, ``1x``."""
+    text = f"{value:.4g}"
+    if unit in ("%", "x"):
+        return text + unit
+    return f"{text} {unit}" if unit else text
+
+
+def format_elasticity(e: float) -> str:
+    """``-0.62``, ``+0.15``, ``0.00``."""
+    text = f"{e:+.2f}"
+    return "0.00" if text in ("+0.00", "-0.00") else text
+
+
+def reading(e: float) -> str:
+    """``+10% -> -6.0% time``: the change of a 10% larger parameter (exact for a power law)."""
+    return f"+10% → {(1.1**e - 1.0) * 100.0:+.1f}% time"
+
+
+def print_table(exp: Experiment, d: dict, top: int | None = None) -> None:
+    """Rich table of ``explain``'s result."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (
+        f"d ln T / d ln x: {exp.model.name} on {exp.cluster.name}, {exp.plan.n_gpus} GPUs, "
+        f"iteration {d['iteration_s']:.4g} s"
+    )
+    if d["status"] == "oom":
+        title += (
+            f" [red]OUT OF MEMORY: peak {d['memory_peak_bytes'] / GiB:.1f} GiB of "
+            f"{d['memory_capacity_bytes'] / GiB:.0f} GiB ({-d['memory_headroom_bytes'] / GiB:.1f}"
+            " GiB over)[/]"
+        )
+    elif d["status"] == "invalid":
+        title += " [red]INVALID PLAN[/]"
+    t = Table(title=title)
+    t.add_column("parameter")
+    t.add_column("value", justify="right")
+    t.add_column("elasticity", justify="right")
+    t.add_column("reading")
+    for r in d["elasticities"][:top]:
+        name = r["name"] if r["group"] == _HARDWARE else f"[dim]{r['name']}[/]"
+        e = r["elasticity"]
+        t.add_row(name, format_value(r["value"], r["unit"]), format_elasticity(e), reading(e))
+    console = Console()
+    console.print(t)
+    console.print(f"[dim]dim rows: calibrated constants; {d['constants']}[/]")

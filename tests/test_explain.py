@@ -1,0 +1,166 @@
+"""explain: elasticities from one reverse pass equal finite differences of the model itself."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffcost import api, cli
+from diffcost.explain import _FAST_CPU_COMPILE, _params_for, elasticities, explain, reading
+from diffcost.params import default_params
+from diffcost.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT1B = str(ROOT / "configs" / "examples" / "gpt-1b-vtrain.yaml")
+GPT3 = str(ROOT / "configs" / "examples" / "gpt3-175b.yaml")
+LLAMA70B = str(ROOT / "configs" / "examples" / "llama3-70b-h100.yaml")
+H = 1e-4  # relative perturbation of the finite differences
+SIXTEEN = ("bf16", "fp16")
+
+# elasticity key -> how the config (cluster spec) field that carries it is scaled
+CLUSTER_FIELDS = {
+    "hbm_Bps": ("gpu", "hbm_bandwidth_GBps"),
+    "nvlink_Bps": (None, "nvlink_GBps"),
+    "nic_Bps": (None, "nic_Gbps"),
+    "nic_latency_s": (None, "nic_latency_us"),
+}
+# elasticity key -> (raw Params leaf, "log" or "logit")
+PARAM_FIELDS = {
+    "mem_eff": ("mem_eff_logit", "logit"),
+    "kernel_overhead_s": ("kernel_overhead_log_s", "log"),
+    "nvlink_eff": ("nvlink_eff_logit", "logit"),
+    "half_bw_bytes": ("half_bw_log_bytes", "log"),
+}
+
+
+def _params():
+    return default_params(jnp.float64)
+
+
+# the model itself, compiled with the quick XLA:CPU options that explain uses (same numbers)
+_simulate = jax.jit(
+    simulate, compiler_options=_FAST_CPU_COMPILE if jax.default_backend() == "cpu" else None
+)
+
+
+def _log_time(exp, params):
+    return float(np.log(_simulate(*api.experiment_arrays(exp), params).iteration_s))
+
+
+def _scaled(exp, params, key, factor):
+    """(experiment, params) with the quantity behind elasticity ``key`` multiplied by ``factor``."""
+    c = exp.cluster
+    prec = exp.model.precision
+    if key in ("peak_flops", "peak_flops_16bit"):
+        # a 16-bit model's knob is the 16-bit peak (both entries); otherwise its own entry
+        names = SIXTEEN if (key == "peak_flops_16bit" or prec in SIXTEEN) else (prec,)
+        peak = {k: v * factor if k in names else v for k, v in c.gpu.peak_tflops.items()}
+        gpu = dataclasses.replace(c.gpu, peak_tflops=peak)
+        return dataclasses.replace(exp, cluster=dataclasses.replace(c, gpu=gpu)), params
+    if key in CLUSTER_FIELDS:
+        sub, field = CLUSTER_FIELDS[key]
+        if sub is None:
+            c = dataclasses.replace(c, **{field: getattr(c, field) * factor})
+        else:
+            part = getattr(c, sub)
+            part = dataclasses.replace(part, **{field: getattr(part, field) * factor})
+            c = dataclasses.replace(c, **{sub: part})
+        return dataclasses.replace(exp, cluster=c), params
+    if key == "gemm_eff":
+        from diffcost.specs import PRECISIONS
+
+        names = SIXTEEN if prec in SIXTEEN else (prec,)
+        mask = np.array([p in names for p in PRECISIONS])
+        p = np.asarray(params.gemm_eff)
+        p = np.where(mask, p * factor, p)
+        return exp, params.replace(gemm_eff_logit=jnp.asarray(np.log(p) - np.log1p(-p)))
+    raw, kind = PARAM_FIELDS[key]
+    r = float(getattr(params, raw))
+    if kind == "log":
+        r = r + np.log(factor)
+    else:
+        p = 1.0 / (1.0 + np.exp(-r)) * factor
+        r = np.log(p) - np.log1p(-p)
+    return exp, params.replace(**{raw: jnp.asarray(r, dtype=jnp.float64)})
+
+
+def _finite_difference(exp, params, key):
+    hi = _log_time(*_scaled(exp, params, key, 1.0 + H))
+    lo = _log_time(*_scaled(exp, params, key, 1.0 - H))
+    return (hi - lo) / (np.log1p(H) - np.log1p(-H))
+
+
+CASES = [
+    (
+        GPT1B,
+        (),
+        ("peak_flops", "hbm_Bps", "nvlink_Bps", "gemm_eff", "mem_eff", "kernel_overhead_s"),
+    ),
+    (
+        GPT3,
+        (),
+        ("peak_flops", "nvlink_Bps", "nic_Bps", "nic_latency_s", "nvlink_eff", "half_bw_bytes"),
+    ),
+    # fp8 GEMMs with 16-bit attention: two separate peaks
+    (LLAMA70B, ("model.precision=fp8",), ("peak_flops", "peak_flops_16bit", "gemm_eff")),
+]
+
+
+@pytest.mark.parametrize("config,overrides,keys", CASES)
+def test_elasticities_match_finite_differences(config, overrides, keys):
+    exp = api.load(config, overrides)
+    params = _params()
+    rows = {r["key"]: r for r in elasticities(exp, params)}
+    for key in keys:
+        fd = _finite_difference(exp, params, key)
+        assert rows[key]["elasticity"] == pytest.approx(fd, abs=1e-3), key
+
+
+@pytest.mark.parametrize("config", [GPT1B, GPT3])
+def test_sorted_and_peak_flops_in_range(config):
+    rows = elasticities(api.load(config), _params())
+    mags = [abs(r["elasticity"]) for r in rows]
+    assert all(a >= b - 1e-9 for a, b in zip(mags, mags[1:]))
+    by_key = {r["key"]: r for r in rows}
+    assert -1.0 < by_key["peak_flops"]["elasticity"] < 0.0
+    assert by_key["peak_flops"]["value"] == pytest.approx(312.0)
+    assert by_key["peak_flops"]["unit"] == "TFLOP/s"
+    assert "peak_flops_16bit" not in by_key  # bf16 model: one 16-bit peak
+    assert {"memory_bytes", "gpus_per_node"}.isdisjoint(by_key)
+    params = _params()  # every scalar Params constant is reported, plus GEMM efficiency
+    n_scalar = sum(np.ndim(getattr(params, f.name)) == 0 for f in dataclasses.fields(params))
+    assert sum(r["group"] == "calibration" for r in rows) == n_scalar + 1
+    for r in rows:
+        assert set(r) >= {"name", "value", "unit", "elasticity"}
+        assert np.isfinite(r["elasticity"])
+
+
+def test_single_gpu_has_no_link_elasticity():
+    overrides = ["plan.tp=1", "plan.pp=1", "plan.dp=1", "gpus=1", "plan.global_batch=16"]
+    d = explain(api.load(GPT1B, overrides), _params())
+    by_key = {r["key"]: r["elasticity"] for r in d["elasticities"]}
+    for key in ("nic_Bps", "nvlink_Bps", "nic_eff", "nvlink_eff", "nic_latency_s"):
+        assert abs(by_key[key]) < 1e-12, key
+    assert by_key["peak_flops"] < 0.0
+
+
+def test_reading():
+    assert reading(-0.62) == "+10% → -5.7% time"
+    assert reading(0.0) == "+10% → +0.0% time"
+
+
+def test_cli_json_and_table(capsys):
+    assert cli.main(["explain", GPT1B, "--json", "--top", "5"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["iteration_s"] > 0 and len(d["elasticities"]) == 5
+    exp = api.load(GPT1B)
+    params, _ = _params_for(exp)  # what predict uses (calibrated profile or defaults)
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float64), params)
+    assert d["iteration_s"] == pytest.approx(np.exp(_log_time(exp, params)), rel=1e-9)
+    assert cli.main(["explain", GPT1B, "cluster.gpu.memory_GiB=2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "peak FLOP/s" in out and "→" in out and "OUT OF MEMORY" in out
