@@ -62,6 +62,7 @@ class ClusterArrays:
     nic_Bps: jax.Array  # per GPU share of the node's NICs, one direction
     nic_latency_s: jax.Array
     oversubscription: jax.Array
+    mesh: jax.Array  # 1: point-to-point links inside a node, 0: a switch
 
 
 @struct.dataclass
@@ -148,6 +149,7 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
         nic_Bps=f(nic_per_gpu),
         nic_latency_s=f(cluster.nic_latency_us * 1e-6),
         oversubscription=f(cluster.oversubscription),
+        mesh=f(1.0 if cluster.intra_node == "mesh" else 0.0),
     )
 
 

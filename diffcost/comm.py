@@ -73,9 +73,16 @@ def place(degree, stride, gpus_per_node) -> Placement:
     return Placement(size=degree, per_node=per_node, intra_share=intra, inter_share=inter)
 
 
-def _links(cluster: ClusterArrays, params: Params):
-    """Effective per-direction bandwidths and latencies of the two link levels."""
+def _links(cluster: ClusterArrays, params: Params, per_node=None):
+    """Effective per-direction bandwidths and latencies of the two link levels.
+
+    On a point-to-point mesh a group with ``per_node`` GPUs in a node reaches only its peers'
+    links: ``(per_node - 1) / (gpus_per_node - 1)`` of the GPU's NVLink bandwidth.
+    """
     nvl_Bps = cluster.nvlink_Bps * params.nvlink_eff
+    if per_node is not None:
+        peers = jnp.maximum(per_node - 1.0, 1.0) / jnp.maximum(cluster.gpus_per_node - 1.0, 1.0)
+        nvl_Bps = nvl_Bps * (1.0 - cluster.mesh + cluster.mesh * peers)
     nic_Bps = cluster.nic_Bps * params.nic_eff / cluster.oversubscription
     nvl_lat = cluster.nvlink_latency_s * params.nvlink_latency_scale
     nic_lat = cluster.nic_latency_s * params.nic_latency_scale
@@ -99,7 +106,7 @@ def all_reduce_s(msg_bytes, group: Placement, cluster, params, temperature):
     local rank's NIC share, all-gather inside the node. Ring: one ring over all ranks whose
     inter-node hops share ``k`` NIC shares. Tree: double binary tree, ``2 log2 n`` latency.
     """
-    return _collective_s(msg_bytes, group, cluster, params, temperature, factor=2.0)
+    return _collective_s(msg_bytes, group, cluster, params, temperature, factor=2.0, tree=True)
 
 
 def reduce_scatter_s(msg_bytes, group, cluster, params, temperature):
@@ -118,13 +125,13 @@ def _log2_ratio(n):
     return jnp.where(ok, jnp.log2(jnp.where(ok, n, 2.0)) / safe, (1.0 - 0.5 * d) / jnp.log(2.0))
 
 
-def _collective_s(msg_bytes, group: Placement, cluster, params, temperature, factor):
+def _collective_s(msg_bytes, group: Placement, cluster, params, temperature, factor, tree=False):
     """Every algorithm costs ``(n - 1) * rate``; NCCL's choice is a smooth min of the rates.
 
     Factoring out ``n - 1`` makes a one-rank group cost exactly zero and gives the gradient at
     ``n = 1`` as the derivative from the feasible side (``n >= 1``).
     """
-    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params)
+    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params, group.per_node)
     n, k = group.size, group.per_node
     nodes = group.nodes
     present = _present(msg_bytes)
@@ -142,18 +149,30 @@ def _collective_s(msg_bytes, group: Placement, cluster, params, temperature, fac
     )
     lat = nvl_lat + (nic_lat - nvl_lat) * crosses
     ring = factor * (_transfer(msg_bytes, ring_Bps, params) / n + present * lat)
-    # Tree: log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth.
-    tree = factor * (
-        _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY / n
-        + present * _log2_ratio(n) * lat
-    )
-    rates = jnp.stack([hier, ring, tree], axis=-1)
-    return (n - 1.0) * smooth.smooth_min(rates, axis=-1, temperature=temperature)
+    algorithms = [hier, ring]
+    if tree:  # NCCL's trees serve all-reduce only
+        # log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth
+        algorithms.append(
+            factor
+            * (
+                _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY / n
+                + present * _log2_ratio(n) * lat
+            )
+        )
+    rates = jnp.stack(algorithms, axis=-1)
+    best = (n - 1.0) * smooth.smooth_min(rates, axis=-1, temperature=temperature)
+    return best + _call_overhead(msg_bytes, n, params)
+
+
+def _call_overhead(msg_bytes, n, params):
+    """Fixed cost of one collective call; none for a one-rank group or an empty message
+    (``min(n - 1, 1)``: exact at n = 1, derivative from the feasible side)."""
+    return params.collective_overhead_s * _present(msg_bytes) * jnp.minimum(n - 1.0, 1.0)
 
 
 def all_to_all_s(msg_bytes, group: Placement, cluster, params, temperature):
     """All-to-all where every rank holds ``msg_bytes`` and keeps ``1/n`` of it."""
-    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params)
+    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params, group.per_node)
     n, k = group.size, group.per_node
     present = _present(msg_bytes)
     intra = (k - 1.0) / n * msg_bytes
@@ -162,6 +181,7 @@ def all_to_all_s(msg_bytes, group: Placement, cluster, params, temperature):
         _transfer(intra, nvl_Bps, params)
         + _transfer(inter, nic_Bps, params)
         + present * ((k - 1.0) * nvl_lat + (n - k) / k * nic_lat)
+        + _call_overhead(msg_bytes, n, params)
     )
 
 
@@ -171,4 +191,6 @@ def send_recv_s(msg_bytes, inter_node, cluster, params):
     present = _present(msg_bytes)
     intra_t = _transfer(msg_bytes, nvl_Bps, params) + present * nvl_lat
     inter_t = _transfer(msg_bytes, nic_Bps, params) + present * nic_lat
-    return (1.0 - inter_node) * intra_t + inter_node * inter_t
+    return (
+        (1.0 - inter_node) * intra_t + inter_node * inter_t + _call_overhead(msg_bytes, 2.0, params)
+    )

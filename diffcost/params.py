@@ -33,11 +33,13 @@ class Params:
     mem_eff_logit: jax.Array  # fraction of HBM bandwidth reached by memory-bound kernels
     kernel_overhead_log_s: jax.Array  # GPU-side gap per kernel launch
     host_op_log_s: jax.Array  # CPU time to dispatch one framework op (eager Python + autograd)
+    host_overlap_logit: jax.Array  # fraction of host dispatch hidden under GPU work (1: max)
     nvlink_eff_logit: jax.Array  # fraction of NVLink bandwidth reached by collectives
     nic_eff_logit: jax.Array  # fraction of NIC bandwidth reached by collectives
     nvlink_latency_log_scale: jax.Array  # multiplier on the cluster's NVLink latency
     nic_latency_log_scale: jax.Array  # multiplier on the cluster's NIC latency
     half_bw_log_bytes: jax.Array  # message size reaching half the link bandwidth
+    collective_overhead_log_s: jax.Array  # fixed cost of one collective call (launch, sync)
     interference_log: jax.Array  # slowdown of compute and comm while they overlap
     optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
     iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
@@ -67,6 +69,10 @@ class Params:
         return jnp.exp(self.host_op_log_s)
 
     @property
+    def host_overlap(self):
+        return jax.nn.sigmoid(self.host_overlap_logit)
+
+    @property
     def nvlink_eff(self):
         return jax.nn.sigmoid(self.nvlink_eff_logit)
 
@@ -85,6 +91,10 @@ class Params:
     @property
     def half_bw_bytes(self):
         return jnp.exp(self.half_bw_log_bytes)
+
+    @property
+    def collective_overhead_s(self):
+        return jnp.exp(self.collective_overhead_log_s)
 
     @property
     def interference(self):
@@ -112,11 +122,13 @@ DEFAULTS = {
     "mem_eff": 0.80,
     "kernel_overhead_s": 4e-6,
     "host_op_s": 15e-6,
+    "host_overlap": 0.95,
     "nvlink_eff": 0.80,
     "nic_eff": 0.85,
     "nvlink_latency_scale": 1.0,
     "nic_latency_scale": 1.0,
     "half_bw_bytes": 1.0 * 2**20,
+    "collective_overhead_s": 10e-6,
     "interference": 0.05,
     "optimizer_bytes_per_param": 28.0,
     "iteration_overhead_s": 5e-3,
@@ -134,11 +146,13 @@ def default_params(dtype=None) -> Params:
         mem_eff_logit=f(_logit(d["mem_eff"])),
         kernel_overhead_log_s=f(jnp.log(d["kernel_overhead_s"])),
         host_op_log_s=f(jnp.log(d["host_op_s"])),
+        host_overlap_logit=f(_logit(d["host_overlap"])),
         nvlink_eff_logit=f(_logit(d["nvlink_eff"])),
         nic_eff_logit=f(_logit(d["nic_eff"])),
         nvlink_latency_log_scale=f(jnp.log(d["nvlink_latency_scale"])),
         nic_latency_log_scale=f(jnp.log(d["nic_latency_scale"])),
         half_bw_log_bytes=f(jnp.log(d["half_bw_bytes"])),
+        collective_overhead_log_s=f(jnp.log(d["collective_overhead_s"])),
         interference_log=f(jnp.log(d["interference"])),
         optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
         iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),

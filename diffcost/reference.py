@@ -100,6 +100,10 @@ def stage_order(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[tuple
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
 
 
+# relative resolution of the event clock: remainders below it cannot advance ``now``
+_CLOCK_RESOLUTION = 1e-12
+
+
 class _Links:
     """Fluid links: the transfers active on a link progress at ``1 / n_active`` each."""
 
@@ -116,17 +120,22 @@ class _Links:
                 t = min(t, now + min(x[0] for x in xs) * len(xs))
         return t
 
-    def advance(self, dt: float) -> list[Callable[[], None]]:
-        """Progress every transfer by ``dt``; return the callbacks of those that finished."""
+    def advance(self, dt: float, resolution: float = 0.0) -> list[Callable[[], None]]:
+        """Progress every transfer by ``dt``; return the callbacks of those that finished.
+
+        A transfer whose remaining time is below ``resolution`` (what the clock can still
+        resolve at the current time) finishes now: otherwise float rounding of ``now + dt``
+        could stall the clock on a remainder it cannot step over.
+        """
         done = []
         for link, xs in self.active.items():
             if not xs:
                 continue
             for x in xs:
                 x[0] -= dt / len(xs)
-            keep = [x for x in xs if x[0] > _EPS * x[1]]
-            done += [x[2] for x in xs if x[0] <= _EPS * x[1]]
-            self.active[link] = keep
+            finished = [x[0] <= _EPS * x[1] or x[0] * len(xs) <= resolution for x in xs]
+            done += [x[2] for x, f in zip(xs, finished) if f]
+            self.active[link] = [x for x, f in zip(xs, finished) if not f]
         return done
 
 
@@ -320,7 +329,7 @@ def simulate_reference(
         t = min(heap[0][0] if heap else math.inf, links.next_time(now))
         if t == math.inf:
             break
-        callbacks = links.advance(t - now)
+        callbacks = links.advance(t - now, _CLOCK_RESOLUTION * max(1.0, abs(t)))
         now = t
         for cb in callbacks:
             cb()

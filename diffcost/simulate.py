@@ -240,11 +240,17 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     tp_bwd = with_tp(gpu_bwd, tp_x) - gpu_bwd
     stream_fwd = gpu_fwd + tp_fwd + cp_fwd + ep_x
     stream_bwd = gpu_bwd + tp_bwd + cp_bwd + ep_x
-    # The host dispatches ops asynchronously: a layer takes the longer of GPU and host time;
-    # host time the GPU stream does not cover counts as compute.
+    # The host dispatches ops ahead of the GPU: a fraction ``host_overlap`` of the shorter of
+    # host and GPU time is hidden (1: the layer takes the longer of the two; 0: their sum, as
+    # when synchronizations stall the host). Host time not hidden counts as compute.
     host = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s
-    lay_fwd = smooth.smax2(stream_fwd, host, tau)
-    lay_bwd = smooth.smax2(stream_bwd, 2.0 * host, tau)
+    hidden = params.host_overlap
+
+    def with_host(stream, host_s):
+        return stream + host_s - hidden * smooth.smin2(stream, host_s, tau)
+
+    lay_fwd = with_host(stream_fwd, host)
+    lay_bwd = with_host(stream_bwd, 2.0 * host)
     # recompute extra per mode: none, selective (attention core), full (whole forward)
     full = plan.recompute[2]
     rec = plan.recompute[1] * attn_fwd + full * lay_fwd

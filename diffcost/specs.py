@@ -82,6 +82,10 @@ class ClusterSpec:
     nic_Gbps: float  # per NIC, one direction, 10^9 bit/s
     nic_latency_us: float
     oversubscription: float = 1.0  # fat-tree: bisection is divided by this
+    # "switch": every GPU reaches any other at its full NVLink bandwidth (NVSwitch);
+    # "mesh": point-to-point links to each peer (AMD Infinity Fabric, V100 hybrid cube-mesh),
+    # so a group of k GPUs in a node uses (k - 1) / (gpus_per_node - 1) of it.
+    intra_node: Literal["switch", "mesh"] = "switch"
     description: str = ""
 
 
