@@ -19,6 +19,7 @@ import numpy as np
 from calibration import command
 from calibration import fit as fit_mod
 from calibration.readers import load
+from diffcost.cache import enable_compilation_cache
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args(argv)
+    enable_compilation_cache()
     data = Path(args.data)
     files = [
         data / "e2e" / "calibration.csv",
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
         print(f"missing data files: {', '.join(missing)}", file=sys.stderr)
         return 2
     meas = load(files)
-    cfg = fit_mod.FitConfig(steps=args.steps, tol=-1.0, learning_rate=0.1, huber_delta=0.2)
+    cfg = fit_mod.FitConfig(steps=args.steps)
     problem = fit_mod.build_problem(meas)
     dev0, clu0 = fit_mod.initial_tables(problem)
     before = fit_mod.predict_log(dev0, clu0, problem.data, cfg.temperature)

@@ -58,7 +58,8 @@ class ProfileError(ValueError):
 
 def _to_raw(kind: str, value):
     v = np.asarray(value, dtype=float)
-    return np.log(v) if kind == "log" else np.log(v) - np.log1p(-v)
+    with np.errstate(invalid="ignore", divide="ignore"):  # out-of-range values become nan
+        return np.log(v) if kind == "log" else np.log(v) - np.log1p(-v)
 
 
 def _from_raw(kind: str, raw):

@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster preset to calibrate (repeat for a joint fit)",
     )
     c.add_argument("--out", help="write one profile file here instead of calibration/profiles/")
-    c.add_argument("--steps", type=int, default=1500, help="maximum optimizer steps")
+    c.add_argument("--steps", type=int, default=600, help="maximum optimizer steps")
     c.add_argument("--json", action="store_true", help="print one JSON summary")
     c.set_defaults(func=cmd_calibrate)
     e = sub.add_parser("explain", help="elasticity of iteration time to every hardware knob")
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from diffcost.cache import enable_compilation_cache
+
+    enable_compilation_cache()
     if getattr(args, "config", None) and "=" in args.config and args.command == "predict":
         parser.error(f"CONFIG must come first; got override {args.config!r}")
     try:

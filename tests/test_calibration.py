@@ -1,0 +1,122 @@
+"""The fit recovers constants from synthetic measurements; profiles round-trip and layer."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from calibration import fit as fit_mod
+from calibration import profile as prof
+from calibration.readers import CollectiveRecord, Measurements, Source
+from diffcost.arrays import cluster_arrays
+from diffcost.config import load_cluster
+from diffcost.params import default_params
+
+CLUSTER = "vtrain-a100"
+TRUE_NVLINK_EFF = 0.6
+TRUE_OVERHEAD_S = 30e-6
+RECOVERY_REL = 0.03
+
+
+def _synthetic_collectives():
+    """All-reduce times on 2-8 GPUs, 64 KiB - 1 GiB, made by the model with known constants."""
+    params = prof.apply_values(
+        default_params(),
+        {"nvlink_eff": TRUE_NVLINK_EFF, "collective_overhead_s": TRUE_OVERHEAD_S},
+    )
+    cluster = cluster_arrays(load_cluster(CLUSTER))
+    kind = jnp.eye(len(fit_mod.COLLECTIVES), dtype=jnp.result_type(float))[0]
+    records = []
+    for n in (2, 4, 8):
+        for size in 2.0 ** np.arange(16, 31, 2):
+            t = float(
+                fit_mod._collective_time(kind, size, float(n), float(n), cluster, params, 1e-3)
+            )
+            records.append(
+                CollectiveRecord(
+                    "all_reduce",
+                    size,
+                    n,
+                    n,
+                    1,
+                    1,
+                    CLUSTER,
+                    "fp32",
+                    t,
+                    "synthetic",
+                    Source("synthetic", 0),
+                )
+            )
+    return Measurements(e2e=[], collectives=records, gemms=[], skipped=[])
+
+
+def test_fit_recovers_known_constants():
+    meas = _synthetic_collectives()
+    cfg = fit_mod.FitConfig(steps=400, prior_weight=1e-7, huber_delta=0.05, tol=-1.0)
+    result = fit_mod.fit(meas, cfg, progress=False)
+    values = result.cluster_values[CLUSTER]
+    assert values["nvlink_eff"] == pytest.approx(TRUE_NVLINK_EFF, rel=RECOVERY_REL)
+    assert values["collective_overhead_s"] == pytest.approx(TRUE_OVERHEAD_S, rel=RECOVERY_REL)
+    assert np.max(np.abs(result.residuals["coll"])) < 0.01
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_prior_holds_constants_the_data_cannot_see():
+    meas = _synthetic_collectives()
+    result = fit_mod.fit(meas, fit_mod.FitConfig(steps=100), progress=False)
+    defaults = prof.to_values(default_params())
+    # collectives say nothing about the optimizer or the host: they stay at the defaults
+    for name in ("optimizer_bytes_per_param", "host_op_s", "iteration_overhead_s"):
+        assert result.cluster_values[CLUSTER][name] == pytest.approx(defaults[name], rel=1e-3)
+
+
+def test_profile_round_trip_and_layering(tmp_path, monkeypatch):
+    monkeypatch.setattr(prof, "PROFILES_DIR", tmp_path)
+    cluster = load_cluster(CLUSTER)
+    params, note = prof.params_for(cluster)
+    assert "datasheet defaults" in note
+    prof.write_profile(
+        prof.device_path("a100"), {"mem_eff": 0.7}, {"layer": "device", "key": "a100"}
+    )
+    prof.write_profile(
+        prof.cluster_path(CLUSTER), {"nic_eff": 0.5}, {"layer": "cluster", "key": CLUSTER}
+    )
+    params, note = prof.params_for(cluster)
+    assert "device profile device-a100.yaml" in note and "cluster profile" in note
+    values = prof.to_values(params)
+    assert values["mem_eff"] == pytest.approx(0.7) and values["nic_eff"] == pytest.approx(0.5)
+    # another A100 cluster gets the device layer only
+    other, note = prof.params_for(load_cluster("selene-a100-80g"))
+    assert prof.to_values(other)["mem_eff"] == pytest.approx(0.7)
+    assert prof.to_values(other)["nic_eff"] == pytest.approx(
+        prof.to_values(default_params())["nic_eff"]
+    )
+    none, note = prof.params_for(cluster, "none")
+    assert "defaults" in note and prof.to_values(none)["mem_eff"] != pytest.approx(0.7)
+
+
+def test_profile_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("constants: {mem_eff: 1.5}\n")
+    with pytest.raises(prof.ProfileError, match="mem_eff=1.5 is out of range"):
+        prof.params_for(load_cluster(CLUSTER), bad)
+    bad.write_text("constants: {memory_eff: 0.5}\n")
+    with pytest.raises(prof.ProfileError, match="unknown constant 'memory_eff'"):
+        prof.params_for(load_cluster(CLUSTER), bad)
+    with pytest.raises(prof.ProfileError, match="does not exist"):
+        prof.params_for(load_cluster(CLUSTER), tmp_path / "missing.yaml")
+
+
+def test_assemble_gathers_layers():
+    dev, clu = {}, {}
+    p0 = default_params()
+    for leaf in fit_mod.DEVICE_LEAVES:
+        dev[leaf] = jnp.stack([getattr(p0, leaf), getattr(p0, leaf) + 1.0])
+    for leaf in fit_mod.CLUSTER_LEAVES:
+        clu[leaf] = jnp.stack([getattr(p0, leaf), getattr(p0, leaf) - 1.0, getattr(p0, leaf)])
+    p = fit_mod.assemble(dev, clu, jnp.array([1, 0]), jnp.array([1, 2]))
+    np.testing.assert_allclose(p.mem_eff_logit, [p0.mem_eff_logit + 1.0, p0.mem_eff_logit])
+    np.testing.assert_allclose(p.nic_eff_logit, [p0.nic_eff_logit - 1.0, p0.nic_eff_logit])
+    assert dataclasses.is_dataclass(p) and jax.tree_util.tree_leaves(p)
