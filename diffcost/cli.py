@@ -172,6 +172,8 @@ def cmd_validate(args) -> int:
             fmt(s["kendall_tau"], ".3f"),
         )
     console.print(t)
+    for cluster, note in out.get("profiles", {}).items():
+        console.print(f"constants for {cluster}: {note}")
     skipped = [r for r in out["rows"] if r["skipped"]]
     if skipped:
         console.print(f"[bold]{len(skipped)} rows skipped:[/]")
