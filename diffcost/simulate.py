@@ -67,7 +67,7 @@ class StageTimes:
 
     fwd_s: jax.Array  # [3] forward of one microbatch on one stage (all chunks)
     bwd_s: jax.Array  # [3] backward (with recompute) of one microbatch on one stage
-    parts: jax.Array  # [3, 6] per-microbatch work split: compute, tp, cp, ep, zero, (unused)
+    parts: jax.Array  # [3, 5] per-microbatch work split: compute, tp, cp, ep, zero
     p2p_s: jax.Array  # one activation send between adjacent stages (per chunk boundary)
     dp_bucket_s: jax.Array  # [3] gradient sync of one layer's bucket
     dp_layers: jax.Array  # buckets (layers) per stage
@@ -315,9 +315,7 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     )
     layer_parts = layers * (layer_parts_fwd + layer_parts_bwd)
     extras = jnp.stack([extra_first, 0.0 * extra_first, extra_last])
-    parts = jnp.concatenate(
-        [layer_parts[None, :].repeat(3, axis=0).at[:, 0].add(extras), jnp.zeros((3, 1))], axis=1
-    )
+    parts = layer_parts[None, :].repeat(3, axis=0).at[:, 0].add(extras)
 
     # --- pipeline sends ----------------------------------------------------------------------
     p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
@@ -486,8 +484,9 @@ def memory(model, plan, cluster, temperature):
     # ZeRO-3 holds two gathered layers (current + prefetched)
     weights = weights + z[3] * 2.0 * WEIGHT_BYTES * (dense_p + expert_p)
 
-    act_layer = jnp.sum(plan.recompute * workload.layer_activation_bytes(model, plan))
-    act_full = workload.layer_activation_bytes(model, plan)[0]
+    act_by_mode = workload.layer_activation_bytes(model, plan)  # [none, selective, full]
+    act_layer = jnp.sum(plan.recompute * act_by_mode)
+    act_full = act_by_mode[0]
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
     in_flight_first = jnp.stack(
         [

@@ -11,11 +11,8 @@ import itertools
 import numpy as np
 
 from diffcost.arrays import PlanArrays
+from diffcost.config import _divisors
 from diffcost.specs import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ModelSpec
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def degree_tuples(n_gpus: int, model: ModelSpec, max_cp: int = 8):

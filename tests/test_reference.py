@@ -87,7 +87,7 @@ def make_st(
     return StageTimes(
         fwd_s=a(fwd),
         bwd_s=bwd_arr,
-        parts=jnp.zeros((3, 6)),
+        parts=jnp.zeros((3, 5)),
         p2p_s=a(p2p),
         dp_bucket_s=jnp.full(3, bucket, dtype=jnp.float64),
         dp_layers=a(N_LAYERS),
