@@ -6,7 +6,8 @@ Figures:
 * ``compile_s``: first call of ``simulate_jit`` (trace + XLA compile) on the GPT-3 example;
 * ``single_prediction_us``: median warm latency of one jitted prediction (dispatch included);
 * ``sweep_configs_per_s``: ``jit(vmap(simulate))`` over every valid plan of GPT-3 175B on
-  1,024 GPUs (degrees, microbatch, recompute, ZeRO stage, schedule), after a warm-up call;
+  1,024 GPUs (degrees, microbatch, recompute, ZeRO stage, schedule, rank order), after a
+  warm-up call;
 * ``grad_cost_ratio``: warm time of ``jit(grad(iteration_s))`` with respect to Params and the
   relaxed plan, over the warm time of one prediction.
 
@@ -68,7 +69,9 @@ def measure() -> dict:
     jax.block_until_ready(grad_fn(params, plan))
     grad_s = _median_time(lambda: grad_fn(params, plan), 7, 200)
 
-    plans, _ = space.enumerate_plans(exp.model, exp.plan.n_gpus, exp.plan.global_batch)
+    plans, _ = space.enumerate_plans(
+        space.make_space(exp.model, exp.cluster, exp.plan.n_gpus, exp.plan.global_batch)
+    )
     n = int(plans.tp.shape[0])
     sweep = jax.jit(jax.vmap(lambda p: simulate(model, p, cluster, params).iteration_s))
     plans_dev = jax.tree_util.tree_map(lambda x: jax.numpy.asarray(x, dtype=plan.tp.dtype), plans)

@@ -1,93 +1,265 @@
-"""The discrete plan space of a model on a GPU count: enumerate every valid plan as arrays.
+"""The discrete plan space of a model on a GPU count: its rules, its members, their arrays.
 
-Used by sweeps and benchmarks. Plans are produced directly as a batched ``PlanArrays`` (numpy
-leaves, leading axis = configuration) so that millions of them cost no Python objects each.
+A ``Space`` fixes what a search or a sweep may choose from: the model, the cluster, the GPU count
+and global batch, and the menus (microbatch sizes, interleaving depths, the largest context
+parallel degree, the rank orders). A ``Choice`` is one discrete plan in it. ``enumerate_plans``
+lists every valid choice directly as a batched ``PlanArrays`` (numpy leaves, leading axis =
+configuration), so that millions of them cost no Python objects each; ``to_arrays`` does the
+same for any list of choices (the candidates of a search).
+
+Valid means: the degrees multiply to the GPU count; tp divides heads and kv_heads; pp * chunks
+divides the layers; dp * microbatch divides the global batch; cp splits the sequence in 2 cp
+chunks; ep divides the experts and dp (1 for a dense model); interleaving needs pp > 1 and a
+microbatch count that is a multiple of pp. ``config.check_plan`` accepts every valid choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
 from diffcost.arrays import PlanArrays
-from diffcost.config import _divisors
-from diffcost.specs import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ModelSpec
+from diffcost.config import ConfigError, _divisors, _join
+from diffcost.specs import (
+    PLACED_DIMS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    ZERO_STAGES,
+    ClusterSpec,
+    ModelSpec,
+    PlanSpec,
+)
+
+# Rank orders (innermost first) that Megatron-Core's rank generator offers: the default
+# tp-cp-ep-dp-pp, and tp-cp-ep-pp-dp (``--use-tp-pp-dp-mapping``).
+ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 
 
-def degree_tuples(n_gpus: int, model: ModelSpec, max_cp: int = 8):
-    """(tp, pp, dp, cp) with ``tp*pp*dp*cp == n_gpus`` that pass the structural checks."""
-    out = []
-    for tp in _divisors(n_gpus):
-        if model.heads % tp or model.kv_heads % tp:
-            continue
-        for pp in _divisors(n_gpus // tp):
-            if model.n_layers % pp:
+class Choice(NamedTuple):
+    """One discrete plan of a ``Space`` (hashable; ``order`` indexes ``Space.orders``)."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    microbatch: int
+    schedule: str
+    chunks: int  # 1 unless interleaved
+    recompute: str
+    zero: int
+    order: int
+
+    def describe(self, space: Space) -> dict:
+        """The choice as a plain dict (order spelled out), for tables, JSON and CSV."""
+        d = self._asdict()
+        d["order"] = "-".join(space.orders[self.order])
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What a search or sweep chooses from (see the module docstring for validity)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    n_gpus: int
+    global_batch: int
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    chunks: tuple[int, ...] = (2, 3, 4, 6, 8)
+    max_cp: int = 8
+    orders: tuple[tuple[str, ...], ...] = ORDERS
+    sequence_parallel: bool = True  # whenever tp > 1
+    overlap_dp: bool = True
+    overlap_tp: bool = False
+
+    # --- the rules -----------------------------------------------------------------------
+    def degree_tuples(self) -> list[tuple[int, int, int, int]]:
+        """(tp, pp, dp, cp) with ``tp*pp*dp*cp == n_gpus`` that pass the structural checks."""
+        m, n = self.model, self.n_gpus
+        out = []
+        for tp in _divisors(n):
+            if m.heads % tp or m.kv_heads % tp:
                 continue
-            for cp in _divisors(n_gpus // (tp * pp)):
-                if cp > max_cp or model.seq_len % (2 * cp if cp > 1 else 1):
+            for pp in _divisors(n // tp):
+                if m.n_layers % pp:
                     continue
-                out.append((tp, pp, n_gpus // (tp * pp * cp), cp))
-    return out
+                for cp in _divisors(n // (tp * pp)):
+                    if cp > self.max_cp or (cp > 1 and m.seq_len % (2 * cp)):
+                        continue
+                    dp = n // (tp * pp * cp)
+                    if any(self.global_batch % (dp * mb) == 0 for mb in self.microbatches):
+                        out.append((tp, pp, dp, cp))
+        return out
 
+    def ep_choices(self, dp: int) -> list[int]:
+        experts = self.model.moe.experts if self.model.moe else 1
+        return [e for e in _divisors(dp) if experts % e == 0]
 
-def enumerate_plans(
-    model: ModelSpec,
-    n_gpus: int,
-    global_batch: int,
-    microbatches=(1, 2, 4, 8, 16),
-    chunks=(2, 3, 4, 6, 8),
-    sequence_parallel: bool = True,
-    overlap_dp: bool = True,
-    overlap_tp: bool = False,
-) -> tuple[PlanArrays, list[dict]]:
-    """Every valid discrete plan: (batched PlanArrays with numpy leaves, plan descriptions).
+    def schedules(self, pp: int, n_micro: int) -> list[tuple[str, int]]:
+        """(schedule, chunks) pairs valid for ``pp`` stages and ``n_micro`` microbatches."""
+        if pp == 1:
+            return [("1f1b", 1)]
+        out = [("gpipe", 1), ("1f1b", 1)]
+        if n_micro % pp == 0:
+            out += [("interleaved", v) for v in self.chunks if self.model.n_layers % (pp * v) == 0]
+        return out
 
-    Valid: degrees multiply to ``n_gpus``; tp divides heads and kv_heads; pp * chunks divides
-    the layers; dp * microbatch divides the global batch; cp splits the sequence in 2 cp
-    chunks. Every ZeRO stage, recompute mode and schedule (interleaved with each chunk count
-    that divides the layers and with a microbatch count that is a multiple of pp).
-    """
-    rows = []
-    for tp, pp, dp, cp in degree_tuples(n_gpus, model):
-        for mb in microbatches:
-            if global_batch % (dp * mb):
-                continue
-            n_micro = global_batch // (dp * mb)
-            schedules = [("gpipe", 1), ("1f1b", 1)] if pp > 1 else [("1f1b", 1)]
-            if pp > 1 and n_micro % pp == 0:
-                schedules += [("interleaved", v) for v in chunks if model.n_layers % (pp * v) == 0]
-            for (sched, v), rec, zero in itertools.product(schedules, RECOMPUTE_MODES, ZERO_STAGES):
-                rows.append((tp, pp, dp, cp, mb, sched, v, rec, zero))
-    n = len(rows)
-    cols = list(zip(*rows)) if rows else [()] * 9
-    eye = np.eye
+    def is_valid(self, c: Choice) -> bool:
+        m = self.model
+        if c.tp * c.pp * c.dp * c.cp != self.n_gpus or min(c.tp, c.pp, c.dp, c.cp) <= 0:
+            return False
+        if m.heads % c.tp or m.kv_heads % c.tp or m.n_layers % (c.pp * c.chunks):
+            return False
+        if c.cp > self.max_cp or (c.cp > 1 and m.seq_len % (2 * c.cp)):
+            return False
+        if c.microbatch not in self.microbatches or self.global_batch % (c.dp * c.microbatch):
+            return False
+        if c.ep not in self.ep_choices(c.dp) or not 0 <= c.order < len(self.orders):
+            return False
+        if c.recompute not in RECOMPUTE_MODES or c.zero not in ZERO_STAGES:
+            return False
+        n_micro = self.global_batch // (c.dp * c.microbatch)
+        return (c.schedule, c.chunks) in self.schedules(c.pp, n_micro)
 
-    def one_hot(values, choices):
-        return (
-            eye(len(choices))[[choices.index(v) for v in values]]
-            if n
-            else np.zeros((0, len(choices)))
+    def choices(self) -> list[Choice]:
+        """Every valid choice, degrees outermost."""
+        out = []
+        for tp, pp, dp, cp in self.degree_tuples():
+            for mb in self.microbatches:
+                if self.global_batch % (dp * mb):
+                    continue
+                n_micro = self.global_batch // (dp * mb)
+                for ep, (sched, v), rec, zero, order in itertools.product(
+                    self.ep_choices(dp),
+                    self.schedules(pp, n_micro),
+                    RECOMPUTE_MODES,
+                    ZERO_STAGES,
+                    range(len(self.orders)),
+                ):
+                    out.append(Choice(tp, pp, dp, cp, ep, mb, sched, v, rec, zero, order))
+        return out
+
+    # --- conversions -----------------------------------------------------------------------
+    def plan_spec(self, c: Choice) -> PlanSpec:
+        return PlanSpec(
+            tp=c.tp,
+            pp=c.pp,
+            dp=c.dp,
+            cp=c.cp,
+            ep=c.ep,
+            sequence_parallel=self.sequence_parallel and c.tp > 1,
+            zero=c.zero,
+            recompute=c.recompute,
+            microbatch=c.microbatch,
+            global_batch=self.global_batch,
+            schedule=c.schedule,
+            chunks=c.chunks,
+            overlap_dp=self.overlap_dp,
+            overlap_tp=self.overlap_tp,
+            order=self.orders[c.order],
         )
 
-    tp, pp, dp, cp, mb, sched, v, rec, zero = cols
-    f = lambda x: np.asarray(x, dtype=float).reshape(n)  # noqa: E731
-    plans = PlanArrays(
-        tp=f(tp),
-        pp=f(pp),
-        dp=f(dp),
-        cp=f(cp),
-        ep=np.ones(n),
-        microbatch=f(mb),
-        global_batch=np.full(n, float(global_batch)),
-        chunks=f(v),
-        sp=np.where(f(tp) > 1, float(sequence_parallel), 0.0),
-        overlap_dp=np.full(n, float(overlap_dp)),
-        overlap_tp=np.full(n, float(overlap_tp)),
-        zero=one_hot(zero, ZERO_STAGES),
-        recompute=one_hot(rec, RECOMPUTE_MODES),
-        schedule=one_hot(sched, SCHEDULES),
-        order=np.tile(np.arange(4.0), (n, 1)),
+    def to_arrays(self, choices: list[Choice]) -> PlanArrays:
+        """Batched ``PlanArrays`` (numpy float64 leaves) of ``choices``, in their order."""
+        n = len(choices)
+        cols = list(zip(*choices)) if n else [()] * len(Choice._fields)
+        c = dict(zip(Choice._fields, cols))
+        f = lambda key: np.asarray(c[key], dtype=float).reshape(n)  # noqa: E731
+
+        def one_hot(key, menu):
+            out = np.zeros((n, len(menu)))
+            out[np.arange(n), [menu.index(v) for v in c[key]]] = 1.0
+            return out
+
+        ranks = np.array([[o.index(d) for d in PLACED_DIMS] for o in self.orders], dtype=float)
+        tp = f("tp")
+        return PlanArrays(
+            tp=tp,
+            pp=f("pp"),
+            dp=f("dp"),
+            cp=f("cp"),
+            ep=f("ep"),
+            microbatch=f("microbatch"),
+            global_batch=np.full(n, float(self.global_batch)),
+            chunks=f("chunks"),
+            sp=np.where(tp > 1, float(self.sequence_parallel), 0.0),
+            overlap_dp=np.full(n, float(self.overlap_dp)),
+            overlap_tp=np.full(n, float(self.overlap_tp)),
+            zero=one_hot("zero", ZERO_STAGES),
+            recompute=one_hot("recompute", RECOMPUTE_MODES),
+            schedule=one_hot("schedule", SCHEDULES),
+            order=ranks[np.asarray(c["order"], dtype=int).reshape(n)].reshape(n, 4),
+        )
+
+
+def make_space(
+    model: ModelSpec, cluster: ClusterSpec, n_gpus: int, global_batch: int, **menus
+) -> Space:
+    """A ``Space``, or a ``ConfigError`` saying why the request has no valid plan at all."""
+    space = Space(model, cluster, int(n_gpus), int(global_batch), **menus)
+    if n_gpus < 1:
+        raise ConfigError(f"gpus={n_gpus}: need at least 1 GPU")
+    if global_batch < 1:
+        raise ConfigError(f"global_batch={global_batch}: need at least 1 sequence")
+    per_node = cluster.gpus_per_node
+    if n_gpus % per_node and per_node % n_gpus:
+        raise ConfigError(
+            f"gpus={n_gpus} does not fill whole nodes of gpus_per_node={per_node} (cluster "
+            f"{cluster.name!r}): use a multiple of {per_node} or one of "
+            f"{_join(_divisors(per_node))}"
+        )
+    if model.precision not in cluster.gpu.peak_tflops:
+        raise ConfigError(
+            f"precision={model.precision!r} has no peak on GPU {cluster.gpu.name!r}; this GPU "
+            f"has: {_join(sorted(cluster.gpu.peak_tflops))}"
+        )
+    if not space.degree_tuples():
+        raise ConfigError(_why_empty(space))
+    return space
+
+
+def _why_empty(space: Space) -> str:
+    m, n, gb = space.model, space.n_gpus, space.global_batch
+    dps = set()
+    for tp in _divisors(n):
+        if m.heads % tp or m.kv_heads % tp:
+            continue
+        for pp in _divisors(n // tp):
+            if m.n_layers % pp:
+                continue
+            for cp in _divisors(n // (tp * pp)):
+                if cp <= space.max_cp and (cp == 1 or m.seq_len % (2 * cp) == 0):
+                    dps.add(n // (tp * pp * cp))
+    return (
+        f"no valid plan for {m.name} on gpus={n} with global_batch={gb}: the splits "
+        f"tp*pp*cp*dp = {n} allowed by heads={m.heads}, kv_heads={m.kv_heads}, "
+        f"n_layers={m.n_layers} and cp <= {space.max_cp} leave dp in {{{_join(sorted(dps))}}}, "
+        f"and no dp * microbatch (microbatch from {_join(space.microbatches)}) divides "
+        f"global_batch={gb}; choose a global_batch that is a multiple of one of those dp "
+        "values, or another GPU count"
     )
-    keys = ("tp", "pp", "dp", "cp", "microbatch", "schedule", "chunks", "recompute", "zero")
-    return plans, [dict(zip(keys, r)) for r in rows]
+
+
+def enumerate_plans(space: Space) -> tuple[PlanArrays, list[Choice]]:
+    """Every valid choice of ``space``: (batched PlanArrays with numpy leaves, the choices)."""
+    choices = space.choices()
+    return space.to_arrays(choices), choices
+
+
+def load_space(
+    model: str,
+    cluster: str,
+    gpus: int,
+    global_batch: int,
+    seq: int | None = None,
+    **menus,
+) -> Space:
+    """``make_space`` from preset names or YAML paths (``seq`` overrides the model's seq_len)."""
+    from diffcost import config
+
+    model_spec = config.load_model(model, {"seq_len": seq} if seq else None)
+    return make_space(model_spec, config.load_cluster(cluster), gpus, global_batch, **menus)
