@@ -23,7 +23,6 @@ separate knob. Memory capacity and GPUs per node are not speed knobs and are lef
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ import numpy as np
 
 from diffcost import smooth
 from diffcost.arrays import GiB
+from diffcost.cache import fast_compile_jit
 from diffcost.params import Params, default_params
 from diffcost.simulate import STATUS_NAMES, simulate
 from diffcost.specs import PRECISIONS, Experiment
@@ -160,32 +160,8 @@ def _log_time_and_grad(u, model, plan, cluster, params, masks, knobs, temperatur
     return out, grad
 
 
-# The reverse pass is ~1,000 fusions; XLA:CPU's default pipeline takes ~30 s to compile it on a
-# small machine, these options ~7 s. The program runs once, so its speed does not matter.
-_FAST_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
-
-
-_XLA_ERROR = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
-
-
-@functools.cache
-def _jitted(fast_compile: bool):
-    if fast_compile:
-        return jax.jit(
-            _log_time_and_grad,
-            static_argnames=("knobs", "temperature"),
-            compiler_options=_FAST_CPU_COMPILE,
-        )
-    return jax.jit(_log_time_and_grad, static_argnames=("knobs", "temperature"))
-
-
-def _run(*args, **static):
-    if jax.default_backend() == "cpu":
-        try:
-            return _jitted(True)(*args, **static)
-        except (TypeError, _XLA_ERROR):  # a JAX/XLA without these options
-            pass
-    return _jitted(False)(*args, **static)
+# The program runs once, so its speed does not matter: compile it the fast way.
+_run = fast_compile_jit(_log_time_and_grad, static_argnames=("knobs", "temperature"))
 
 
 def explain(

@@ -140,10 +140,17 @@ def _multi_stage(pp):
 
 
 def _strides(plan: PlanArrays):
-    """Stride of each placed dimension (tp, cp, dp, pp) in the rank numbering."""
+    """Stride of each placed dimension (tp, cp, dp, pp) in the rank numbering.
+
+    ``inner[i, j]`` is 1 when dimension j is inside dimension i (rank of j below rank of i).
+    Ranks of a discrete plan are distinct integers, where the piecewise-linear comparison below
+    is exact; a relaxed plan mixes the rank vectors of several orders, and two dimensions whose
+    mixed ranks are within one of each other are partly inside each other.
+    """
     degrees = jnp.stack([plan.tp, plan.cp, plan.dp, plan.pp])
-    inner = plan.order[None, :] < plan.order[:, None]  # inner[i, j]: dim j is inside dim i
-    return jnp.exp(jnp.sum(jnp.where(inner, jnp.log(degrees)[None, :], 0.0), axis=1))
+    gap = plan.order[:, None] - plan.order[None, :]
+    inner = smooth.clip_exact(gap + 0.5, 0.0, 1.0) * (1.0 - jnp.eye(4, dtype=gap.dtype))
+    return jnp.exp(jnp.sum(inner * jnp.log(degrees)[None, :], axis=1))
 
 
 def _divides(a, b):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from diffcost import api, cli
-from diffcost.explain import _FAST_CPU_COMPILE, _params_for, elasticities, explain, reading
+from diffcost.cache import FAST_CPU_COMPILE
+from diffcost.explain import _params_for, elasticities, explain, reading
 from diffcost.params import default_params
 from diffcost.simulate import simulate
 
@@ -43,7 +44,7 @@ def _params():
 
 # the model itself, compiled with the quick XLA:CPU options that explain uses (same numbers)
 _simulate = jax.jit(
-    simulate, compiler_options=_FAST_CPU_COMPILE if jax.default_backend() == "cpu" else None
+    simulate, compiler_options=FAST_CPU_COMPILE if jax.default_backend() == "cpu" else None
 )
 
 

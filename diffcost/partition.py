@@ -1,0 +1,1088 @@
+"""partition: uneven pipeline stages and per-stage recompute, by DP, gradients and coordinates.
+
+The simulator puts ``n_layers / pp`` layers on every stage. Real pipelines are uneven: the
+embedding sits on the first stage, the LM head and loss on the last, and under 1F1B stage ``s``
+holds ``min(p - s, m)`` microbatches of activations while the last holds one. The best partition
+therefore puts fewer layers, or more recomputation, where memory is tight. This module turns
+one plan into a small discrete problem (``PartitionProblem``) and solves it three ways:
+
+* ``solve_dp``: the exact optimum, dynamic programming over contiguous partitions;
+* ``solve_gradient``: the relaxed problem (layer shares on a simplex, recompute fractions) by
+  Adam from many random starts in one ``jit``, then rounding and a discrete local search;
+* ``solve_coordinate_descent``: AutoDDL-style descent on the stage boundaries with restarts.
+
+``compare`` runs the three on one problem for the benchmark; ``partition_case`` builds the
+benchmark case (GPT-3 175B on Selene).
+
+The model of one partition (``layers[s]`` layers and ``recompute[s]`` fully recomputed layers on
+stage ``s``; ``[.]`` is 1 where the condition holds):
+
+* stage work, one microbatch forward + backward:
+  ``W_s = layers_s lw + recompute_s rc + [s = 0] first + [s = p-1] last``;
+* iteration: ``T = sum_s W_s + (m - 1) max_s W_s + 2 (p - 1) send + rest``: the pipeline
+  latency Alpa's inter-operator DP minimizes (Zheng et al. 2022, section 5.1), plus the fill
+  and drain sends and the partition-independent rest of the iteration;
+* memory: ``M_s = static(layers_s) + in_flight_s ((layers_s - recompute_s) act
+  + recompute_s act_rc) + [recompute_s > 0] act + fixed``, feasible when every
+  ``M_s <= capacity`` (``static`` includes the embedding on the first stage and the LM head
+  and logits on the last).
+
+Recompute only costs time and each stage's memory depends only on its own choice, so for a
+stage with ``n`` layers the best recompute count is the smallest that fits: every solver uses
+that rule, tabulated once by ``stage_tables``.
+
+Limits: ``T`` is Alpa's pipeline model, not the simulator's 1F1B closed form (which adds the
+round trip through the pipeline when warm-up leaves no slack: 0.4% more on the uniform benchmark
+plan); it equals the simulator's GPipe form whenever the last stage bounds both forward and
+backward. ``rest`` (exposed DP sync, optimizer) is taken from the uniform plan
+without recompute and held fixed, while in the simulator it shrinks when recompute lengthens
+the backward that hides the gradient buckets (0.7% of ``T`` for GPT-3 on 8 stages with every
+layer recomputed) and grows with the largest stage's optimizer shard.
+
+References:
+    Zheng et al., "Alpa: Automating Inter- and Intra-Operator Parallelism for Distributed Deep
+    Learning" (OSDI'22), section 5 (pipeline latency and the DP over stage partitions, with
+    the enumeration of the bottleneck bound ``t_max``). Chen et al., "AutoDDL: Automatic
+    Distributed Deep Learning with Near-Optimal Bandwidth Cost" (2023), coordinate descent over
+    the strategy of one operator at a time. Narayanan et al., "Efficient Large-Scale Language
+    Model Training on GPU Clusters Using Megatron-LM" (SC'21), the 1F1B schedule and its
+    in-flight microbatches. Korthikanti et al., "Reducing Activation Recomputation in Large
+    Transformer Models" (MLSys'23), activation memory with and without recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from diffcost import config, smooth, workload
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
+from diffcost.params import Params
+from diffcost.simulate import memory, pipeline_time, stage_times
+from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
+
+GiB = 2.0**30
+
+
+@struct.dataclass
+class PartitionProblem:
+    """One plan's pipeline partition problem, in seconds and bytes (numpy float leaves).
+
+    Times are per microbatch on one GPU; memory is per GPU. ``in_flight`` has shape
+    ``[n_stages]``; every other leaf is a scalar. Build it with ``problem_for`` (from the
+    simulator) or directly (tests, other cost models).
+    """
+
+    layer_s: np.ndarray  # forward + backward of one layer, no recompute
+    recompute_layer_s: np.ndarray  # extra time of one fully recomputed layer
+    first_stage_s: np.ndarray  # extra work of the first stage (embedding)
+    last_stage_s: np.ndarray  # extra work of the last stage (LM head and loss)
+    layer_static_bytes: np.ndarray  # weights + grads + optimizer states of one layer
+    first_static_bytes: np.ndarray  # extra static memory of the first stage (embedding)
+    last_static_bytes: np.ndarray  # extra memory of the last stage (LM head, logits)
+    layer_act_bytes: np.ndarray  # activations one layer keeps for one microbatch
+    layer_act_recompute_bytes: np.ndarray  # the same under full recompute (the layer input)
+    in_flight: np.ndarray  # [n_stages] microbatches whose activations a stage holds at peak
+    fixed_bytes: np.ndarray  # buffers, runtime reserve (and ZeRO-3 gathered layers)
+    capacity_bytes: np.ndarray
+    n_microbatches: np.ndarray
+    send_s: np.ndarray  # one activation send between adjacent stages
+    rest_s: np.ndarray  # DP tail, drain NIC sharing, optimizer, overhead: partition-independent
+    n_layers: int = struct.field(pytree_node=False)
+
+    @property
+    def n_stages(self) -> int:
+        return int(np.shape(self.in_flight)[0])
+
+
+class Partition(NamedTuple):
+    """A solution: layers and recomputed layers per stage (int arrays [p]), iteration time."""
+
+    layers: np.ndarray
+    recompute: np.ndarray
+    time_s: float
+
+
+class InfeasiblePartitionError(ValueError):
+    """No partition fits in memory, even with every layer recomputed.
+
+    ``min_peak_bytes`` is the smallest peak memory any partition reaches and ``layers`` a
+    partition that reaches it (recomputing wherever that saves memory).
+    """
+
+    def __init__(self, problem: PartitionProblem, min_peak_bytes: float, layers: np.ndarray):
+        self.min_peak_bytes = float(min_peak_bytes)
+        self.layers = layers
+        cap = float(problem.capacity_bytes)
+        super().__init__(
+            f"no partition of {problem.n_layers} layers over {problem.n_stages} stages fits in "
+            f"capacity_bytes={cap:.4g} ({cap / GiB:.2f} GiB): the smallest peak memory "
+            f"reachable, recomputing wherever it saves memory, is {self.min_peak_bytes:.4g} bytes "
+            f"({self.min_peak_bytes / GiB:.2f} GiB, layers {layers.tolist()}); use more "
+            "pipeline stages, a smaller microbatch, more tensor parallelism or a ZeRO stage"
+        )
+
+
+# --- from the simulator -------------------------------------------------------------------------
+
+
+def _numpy_float(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def problem_for(
+    model_spec: ModelSpec,
+    plan_spec: PlanSpec,
+    cluster_spec: ClusterSpec,
+    params: Params,
+) -> PartitionProblem:
+    """The partition problem of a plan, read off the simulator at temperature 0.
+
+    Every coefficient comes from ``simulate.stage_times``, ``simulate.pipeline_time`` and
+    ``simulate.memory`` (or the workload functions they call), so the problem follows the
+    simulator when its cost model changes. With ``L = n_layers / pp`` layers on every stage of
+    the simulator's uniform plan and ``W_k = fwd_s[k] + bwd_s[k]`` for the stage kinds
+    ``k = first, middle, last``:
+
+    * ``layer_s = W_middle / L`` at recompute none; ``recompute_layer_s`` the difference of
+      ``W_middle / L`` between recompute full and none (one extra forward per layer);
+    * ``first_stage_s = W_first - W_middle`` (embedding forward + backward),
+      ``last_stage_s = W_last - W_middle`` (LM head, loss and its all-reduce);
+    * ``send_s = p2p_s``; ``rest_s`` = exposed DP sync + (sends - ``2 (p - 1) send``, i.e. the
+      drain's NIC sharing with DP buckets) + optimizer + overhead of the uniform 1F1B plan,
+      so that ``T`` is an iteration time. It is held constant: in the simulator the DP tail
+      and the optimizer step scale with the first stage's layers, which this neglects;
+    * static memory ``S_k(L)`` = weights + grads + optimizer states of stage kind ``k``:
+      ``layer_static_bytes = S_first(L + 1) - S_first(L)`` on a copy of the model without
+      vocabulary (no embedding, head or logits), ``first_static_bytes`` the first stage's
+      difference with and without vocabulary (embedding), ``last_static_bytes`` the last
+      stage's difference of static + activation memory with and without vocabulary (LM head
+      copy and fp32 logits);
+    * ``layer_act_bytes``, ``layer_act_recompute_bytes``: ``workload.layer_activation_bytes``
+      for recompute none and full (what ``simulate.memory`` multiplies by layers and
+      in-flight microbatches);
+    * ``fixed_bytes`` = buffers + runtime reserve of the uniform plan, plus what is left of the
+      vocabulary-free first stage's static memory after ``L`` layers (ZeRO-3's two gathered
+      layers). The gradient buffers are ``2 min(4 layers dense, DP_BUCKET_BYTES)``: constant
+      whenever one layer's fp32 gradients exceed the bucket (every model of interest);
+    * ``in_flight[s] = min(p - s, m)`` (1F1B), ``capacity_bytes`` the GPU memory.
+
+    Args:
+        model_spec, plan_spec, cluster_spec: the specs (``diffcost.config`` loaders). The plan's
+            ``recompute`` is ignored (the problem chooses it per stage); its schedule must be
+            ``1f1b`` and ``pp >= 2``.
+        params: calibrated constants (e.g. ``calibration.profile.params_for(cluster)[0]``).
+
+    Returns:
+        A ``PartitionProblem`` with float64 numpy leaves (computed at JAX's default precision).
+
+    Raises:
+        ValueError: for a schedule other than 1f1b or fewer than two stages;
+            ``config.ConfigError`` (a ValueError) where ``config.check_plan`` (not strict:
+            ``n_layers`` need not divide by ``pp``) finds the plan invalid.
+    """
+    if plan_spec.schedule != "1f1b" or plan_spec.chunks != 1:
+        raise ValueError(
+            f"schedule={plan_spec.schedule!r}, chunks={plan_spec.chunks}: the partition problem "
+            "models the 1f1b schedule with chunks=1"
+        )
+    if not 2 <= plan_spec.pp <= model_spec.n_layers:
+        raise ValueError(
+            f"pp={plan_spec.pp}: partitioning needs 2 to n_layers={model_spec.n_layers} stages"
+        )
+    problems = config.check_plan(model_spec, cluster_spec, plan_spec, strict=False)
+    if problems:
+        raise config.ConfigError("invalid plan:\n  - " + "\n  - ".join(problems))
+    plan_none = dataclasses.replace(plan_spec, recompute="none")
+    plan_full = dataclasses.replace(plan_spec, recompute="full")
+    model, cluster = model_arrays(model_spec), cluster_arrays(cluster_spec)
+    plan, plan_rc = plan_arrays(plan_none), plan_arrays(plan_full)
+    dtype = model.n_layers.dtype
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=dtype), params)
+    terms = jax.tree_util.tree_map(
+        _numpy_float, _simulator_terms(model, plan, plan_rc, cluster, params)
+    )
+    per_stage = model_spec.n_layers / plan_spec.pp
+    p = plan_spec.pp
+    work, work_rc = terms["work"], terms["work_rc"]
+    send = terms["send"]
+    rest = (
+        terms["dp_exposed"]
+        + (terms["sends"] - 2.0 * (p - 1) * send)
+        + terms["optimizer"]
+        + terms["overhead"]
+    )
+    static, act, buffers = terms["static"], terms["act"], terms["buffers"]
+    static_nv, act_nv, static_more = terms["static_nv"], terms["act_nv"], terms["static_more"]
+    layer_static = static_more[0] - static_nv[0]
+    act_modes = terms["act_modes"]
+    m = terms["n_microbatches"]
+    return PartitionProblem(
+        layer_s=work[1] / per_stage,
+        recompute_layer_s=(work_rc[1] - work[1]) / per_stage,
+        first_stage_s=work[0] - work[1],
+        last_stage_s=work[2] - work[1],
+        layer_static_bytes=layer_static,
+        first_static_bytes=static[0] - static_nv[0],
+        last_static_bytes=(static[1] + act[1]) - (static_nv[1] + act_nv[1]),
+        layer_act_bytes=act_modes[0],
+        layer_act_recompute_bytes=act_modes[2],
+        in_flight=np.minimum(p - np.arange(p, dtype=np.float64), m),
+        fixed_bytes=buffers[0] + (static_nv[0] - per_stage * layer_static),
+        capacity_bytes=_numpy_float(cluster.memory_bytes),
+        n_microbatches=m,
+        send_s=send,
+        rest_s=rest,
+        n_layers=int(model_spec.n_layers),
+    )
+
+
+def _simulator_terms(model, plan, plan_rc, cluster, params) -> dict:
+    """The simulator's quantities ``problem_for`` reads, at temperature 0.
+
+    Evaluated eagerly: it runs once per problem, and compiling it costs more than running it.
+
+    ``plan`` has recompute none and ``plan_rc`` full; memory is evaluated for the model, the
+    model without vocabulary (``_nv``) and that with one more layer per stage (``_more``).
+    """
+    st = stage_times(model, plan, cluster, params, 0.0)
+    st_rc = stage_times(model, plan_rc, cluster, params, 0.0)
+    _, _, sends, dp_exposed = pipeline_time(st, 0.0)
+    no_vocab = model.replace(vocab=jnp.zeros_like(model.vocab))
+    one_more = no_vocab.replace(n_layers=model.n_layers + plan.pp)
+
+    def stage_memory(m):  # (static [first, last], activations [first, last], buffers [2])
+        w, g, o, a, buf = memory(m, plan, cluster, 0.0)
+        return w + g + o, a, buf
+
+    static, act, buffers = stage_memory(model)
+    static_nv, act_nv, _ = stage_memory(no_vocab)
+    static_more, _, _ = stage_memory(one_more)
+    return dict(
+        work=st.fwd_s + st.bwd_s,
+        work_rc=st_rc.fwd_s + st_rc.bwd_s,
+        sends=sends,
+        dp_exposed=dp_exposed,
+        send=st.p2p_s,
+        optimizer=st.optimizer_s,
+        overhead=st.overhead_s,
+        static=static,
+        act=act,
+        buffers=buffers,
+        static_nv=static_nv,
+        act_nv=act_nv,
+        static_more=static_more,
+        act_modes=workload.layer_activation_bytes(model, plan),
+        n_microbatches=plan.n_microbatches,
+    )
+
+
+# --- the exact model ----------------------------------------------------------------------------
+
+
+def _ends(problem: PartitionProblem, stage, first, last, where=np.where):
+    """``first`` on stage 0 and ``last`` on stage p - 1 (both on one stage when p = 1)."""
+    return where(stage == 0, first, 0.0) + where(stage == problem.n_stages - 1, last, 0.0)
+
+
+def _stage_work_s(problem: PartitionProblem, stage, layers, recompute, where=np.where):
+    """``W`` of stage index ``stage`` (broadcasts) with ``layers`` and ``recompute``."""
+    return (
+        layers * problem.layer_s
+        + recompute * problem.recompute_layer_s
+        + _ends(problem, stage, problem.first_stage_s, problem.last_stage_s, where)
+    )
+
+
+def _stage_memory_bytes(problem: PartitionProblem, stage, layers, recompute):
+    """``M`` of stage index ``stage`` (broadcasts) with ``layers`` and ``recompute``."""
+    in_flight = np.asarray(problem.in_flight)[stage]
+    static = layers * problem.layer_static_bytes + _ends(
+        problem, stage, problem.first_static_bytes, problem.last_static_bytes
+    )
+    act = in_flight * (
+        (layers - recompute) * problem.layer_act_bytes
+        + recompute * problem.layer_act_recompute_bytes
+    )
+    # recomputing a layer rebuilds its full activations for one microbatch at a time
+    return static + act + (recompute > 0) * problem.layer_act_bytes + problem.fixed_bytes
+
+
+def _pipeline_time_s(problem: PartitionProblem, work):
+    """``T`` from stage works ``work`` [..., p] (Alpa's pipeline latency + sends + rest)."""
+    p, m = problem.n_stages, float(problem.n_microbatches)
+    return (
+        np.sum(work, axis=-1)
+        + (m - 1.0) * np.max(work, axis=-1)
+        + 2.0 * (p - 1) * float(problem.send_s)
+        + float(problem.rest_s)
+    )
+
+
+def evaluate(problem: PartitionProblem, layers, recompute):
+    """Exact iteration time and per-stage memory of a partition.
+
+    Args:
+        problem: the partition problem.
+        layers: int array [..., p], layers per stage (each >= 1, summing to ``n_layers``);
+            leading axes batch several partitions.
+        recompute: int array [..., p], fully recomputed layers per stage (0..layers).
+
+    Returns:
+        (time_s [...], memory_bytes [..., p], feasible [...]): the iteration time, each
+        stage's peak memory, and whether every stage fits in ``capacity_bytes``.
+
+    Raises:
+        ValueError: a partition with the wrong number of stages, a stage without layers, a sum
+            other than ``n_layers`` or a recompute count outside ``0..layers``.
+
+    Examples:
+        >>> prob = uniform_problem(n_layers=8, n_stages=4)  # W = 2.5, 2, 2, 3; m = 4
+        >>> t, mem, ok = evaluate(prob, [2, 2, 2, 2], [0, 0, 0, 0])
+        >>> float(t), mem.tolist(), bool(ok)  # 9.5 + 3 * 3; 2 + in-flight * 2
+        (18.5, [10.0, 8.0, 6.0, 4.0], True)
+    """
+    layers = np.asarray(layers)
+    recompute = np.asarray(recompute)
+    p = problem.n_stages
+    if layers.shape[-1:] != (p,) or recompute.shape != layers.shape:
+        raise ValueError(
+            f"layers shape {layers.shape}, recompute shape {recompute.shape}: both need the "
+            f"same shape ending in n_stages={p}"
+        )
+    if np.any(layers < 1) or np.any(np.sum(layers, axis=-1) != problem.n_layers):
+        raise ValueError(
+            f"layers={layers.tolist()}: every stage needs >= 1 layer and they must sum to "
+            f"n_layers={problem.n_layers}"
+        )
+    if np.any(recompute < 0) or np.any(recompute > layers):
+        raise ValueError(f"recompute={recompute.tolist()}: each must be in 0..layers")
+    stage = np.arange(p)
+    work = _stage_work_s(problem, stage, layers, recompute)
+    memory = _stage_memory_bytes(problem, stage, layers, recompute)
+    feasible = np.all(memory <= problem.capacity_bytes, axis=-1)
+    return _pipeline_time_s(problem, work), memory, feasible
+
+
+def uniform_problem(n_layers: int = 8, n_stages: int = 4, **fields) -> PartitionProblem:
+    """A problem in round numbers (seconds and bytes of 1), for examples and tests.
+
+    Every layer takes 1 s and 1 byte of static memory and keeps 1 byte of activations per
+    microbatch (0.25 under recompute, which costs 0.5 s); the first stage has 0.5 s more,
+    the last 1 s more; 4 microbatches; nothing else. ``fields`` replace any of these.
+    """
+    values = dict(
+        layer_s=1.0,
+        recompute_layer_s=0.5,
+        first_stage_s=0.5,
+        last_stage_s=1.0,
+        layer_static_bytes=1.0,
+        first_static_bytes=0.0,
+        last_static_bytes=0.0,
+        layer_act_bytes=1.0,
+        layer_act_recompute_bytes=0.25,
+        fixed_bytes=0.0,
+        capacity_bytes=1e30,
+        n_microbatches=4.0,
+        send_s=0.0,
+        rest_s=0.0,
+    )
+    values.update(fields)
+    m = float(values["n_microbatches"])
+    in_flight = values.pop("in_flight", np.minimum(n_stages - np.arange(n_stages), m))
+    arrays = {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
+    return PartitionProblem(
+        in_flight=np.asarray(in_flight, dtype=np.float64), n_layers=int(n_layers), **arrays
+    )
+
+
+# --- per-stage tables: the smallest recompute that fits -----------------------------------------
+
+
+class StageTables(NamedTuple):
+    """Per (stage s, layer count n in 0..n_layers) choices, arrays of shape [p, n_layers + 1].
+
+    ``recompute`` is the smallest count that fits (where nothing fits, the count of least
+    memory, so that local searches can move towards feasibility), ``work_s`` the
+    stage's ``W`` with it, ``feasible`` whether it fits (False for ``n = 0``), ``excess_bytes``
+    how far the best recompute count stays above capacity (0 where feasible) and
+    ``min_memory_bytes`` the smallest memory any recompute count reaches.
+    """
+
+    recompute: np.ndarray
+    work_s: np.ndarray
+    feasible: np.ndarray
+    excess_bytes: np.ndarray
+    min_memory_bytes: np.ndarray
+
+
+def stage_tables(problem: PartitionProblem) -> StageTables:
+    """Tabulate the smallest recompute that fits for every stage and layer count.
+
+    Memory is evaluated for every ``(s, n, r)`` with ``r <= n`` (``p (N + 1)^2`` values), so
+    the rule is exact even where it is not monotone (``r = 1`` adds one layer's activations).
+    """
+    n_max, p = problem.n_layers, problem.n_stages
+    stage = np.arange(p)[:, None, None]
+    n = np.arange(n_max + 1)[None, :, None]
+    r = np.arange(n_max + 1)[None, None, :]
+    valid = r <= n
+    mem = np.where(valid, _stage_memory_bytes(problem, stage, n, r), np.inf)
+    fits = mem <= problem.capacity_bytes
+    any_fit = np.any(fits, axis=-1)
+    min_mem = np.min(mem, axis=-1)
+    n2 = np.arange(n_max + 1)[None, :]
+    # smallest r that fits; where none does, the r of least memory (for repair moves)
+    rec = np.where(any_fit, np.argmax(fits, axis=-1), np.argmin(mem, axis=-1))
+    work = _stage_work_s(problem, np.arange(p)[:, None], n2, rec)
+    excess = np.maximum(min_mem - problem.capacity_bytes, 0.0)
+    feasible = any_fit & (n2 >= 1)
+    return StageTables(rec, work, feasible, excess, min_mem)
+
+
+def _lookup(tables: StageTables, layers: np.ndarray):
+    """(work [..., p], excess [...] summed over stages, recompute [..., p]) of partitions."""
+    stage = np.arange(layers.shape[-1])
+    work = tables.work_s[stage, layers]
+    excess = np.sum(tables.excess_bytes[stage, layers], axis=-1)
+    return work, excess, tables.recompute[stage, layers]
+
+
+def _best_index(excess: np.ndarray, time_s: np.ndarray) -> int:
+    """Index of the lexicographic minimum of (excess, time): feasible first, then fastest."""
+    least = excess <= np.min(excess)
+    return int(np.argmin(np.where(least, time_s, np.inf)))
+
+
+def _as_partition(problem: PartitionProblem, tables: StageTables, layers) -> Partition:
+    layers = np.asarray(layers, dtype=np.int64)
+    recompute = tables.recompute[np.arange(problem.n_stages), layers].astype(np.int64)
+    time_s, _, _ = evaluate(problem, layers, recompute)
+    return Partition(layers, recompute, float(time_s))
+
+
+def uniform_partition(n_layers: int, n_stages: int) -> np.ndarray:
+    """``n_layers // n_stages`` layers per stage, the remainder one each on the last stages."""
+    layers = np.full(n_stages, n_layers // n_stages, dtype=np.int64)
+    layers[n_stages - n_layers % n_stages :] += 1 if n_layers % n_stages else 0
+    return layers
+
+
+def uniform_time_s(problem: PartitionProblem, tables: StageTables | None = None) -> float | None:
+    """Time of the uniform partition with the smallest recompute that fits; None if none fits."""
+    tables = stage_tables(problem) if tables is None else tables
+    layers = uniform_partition(problem.n_layers, problem.n_stages)
+    _, excess, _ = _lookup(tables, layers)
+    return None if excess > 0 else _as_partition(problem, tables, layers).time_s
+
+
+# --- exact: dynamic programming -----------------------------------------------------------------
+
+
+def _shift_index(n_max: int) -> np.ndarray:
+    """``idx[k, n] = k - n`` where ``n <= k``, else ``n_max + 1`` (an inf pad)."""
+    k = np.arange(n_max + 1)[:, None]
+    n = np.arange(n_max + 1)[None, :]
+    return np.where(n <= k, k - n, n_max + 1)
+
+
+def _min_sum_dp(cost: np.ndarray, combine=np.add):
+    """Best contiguous partition: ``f_s[k] = min_n combine(f_{s-1}[k - n], cost[s, n])``.
+
+    Args:
+        cost: [..., p, N + 1], inf where a stage may not take ``n`` layers (always at n = 0).
+        combine: ``np.add`` (minimize the sum) or ``np.maximum`` (minimize the maximum).
+
+    Returns:
+        (value [...] over all N layers, choice [p, ..., N + 1] of layers at each stage).
+    """
+    n_max = cost.shape[-1] - 1
+    idx = _shift_index(n_max)
+    f = cost[..., 0, :]
+    choices = [np.broadcast_to(np.arange(n_max + 1), f.shape)]
+    pad = np.full(f.shape[:-1] + (1,), np.inf)
+    for s in range(1, cost.shape[-2]):
+        cand = combine(np.concatenate([f, pad], axis=-1)[..., idx], cost[..., s, None, :])
+        choice = np.argmin(cand, axis=-1)
+        f = np.take_along_axis(cand, choice[..., None], axis=-1)[..., 0]
+        choices.append(choice)
+    return f[..., n_max], choices
+
+
+def _backtrack(choices, n_max: int) -> np.ndarray:
+    layers, k = [], n_max
+    for choice in reversed(choices):
+        n = int(choice[k]) if choice is not choices[0] else k
+        layers.append(n)
+        k -= n
+    return np.asarray(layers[::-1], dtype=np.int64)
+
+
+def min_peak_memory(problem: PartitionProblem, tables: StageTables | None = None):
+    """The smallest peak memory over all partitions and recompute choices (minimax DP).
+
+    Returns:
+        (bytes, layers [p]) of a partition reaching it.
+    """
+    tables = stage_tables(problem) if tables is None else tables
+    cost = tables.min_memory_bytes.copy()
+    cost[:, 0] = np.inf
+    value, choices = _min_sum_dp(cost, combine=np.maximum)
+    return float(value), _backtrack(choices, problem.n_layers)
+
+
+def _check_feasible(problem: PartitionProblem, tables: StageTables) -> None:
+    peak, layers = min_peak_memory(problem, tables)
+    if not peak <= problem.capacity_bytes:
+        raise InfeasiblePartitionError(problem, peak, layers)
+
+
+def solve_dp(problem: PartitionProblem, chunk: int = 64) -> Partition:
+    """The optimal partition, exactly, by dynamic programming over contiguous partitions.
+
+    ``sum W + (m - 1) max W`` is minimized by enumerating the bound ``B`` on ``max W`` over
+    the distinct values ``W(s, n)`` (Alpa's enumeration of ``t_max``): for each, a DP over
+    stages minimizes ``sum W`` subject to ``W(s, n) <= B`` and feasibility, and the optimum is
+    the best ``g(B) + (m - 1) B`` (at the optimal ``B`` the achieved maximum equals ``B``).
+    Bounds run upwards from the smallest feasible one (binary search; feasibility is monotone
+    in ``B``), ``chunk`` at a time as one batched DP, and stop once ``(m - 1) B`` plus the
+    unconstrained minimum of ``sum W`` cannot beat the best found.
+
+    Args:
+        problem: the partition problem.
+        chunk: bounds evaluated per batched DP.
+
+    Returns:
+        The optimal ``Partition`` (layers, recompute, time_s).
+
+    Raises:
+        InfeasiblePartitionError: no partition fits, with the smallest peak memory reachable.
+    """
+    tables = stage_tables(problem)
+    _check_feasible(problem, tables)
+    n_max, m = problem.n_layers, float(problem.n_microbatches)
+    work = np.where(tables.feasible, tables.work_s, np.inf)
+    bounds = np.unique(work[np.isfinite(work)])
+
+    def min_sums(b):  # g(B) for bounds b [k]
+        cost = np.where(work[None] <= b[:, None, None], work[None], np.inf)
+        return _min_sum_dp(cost)[0]
+
+    lo, hi = 0, len(bounds) - 1  # the largest bound is always feasible (checked above)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if np.isfinite(min_sums(bounds[mid : mid + 1])[0]) else (mid + 1, hi)
+    floor = min_sums(bounds[-1:])[0]  # g(B) >= g(max bound) for every B
+    best_value, best_bound = np.inf, bounds[lo]
+    for start in range(lo, len(bounds), chunk):
+        b = bounds[start : start + chunk]
+        if floor + (m - 1.0) * b[0] >= best_value:
+            break
+        values = min_sums(b) + (m - 1.0) * b
+        i = int(np.argmin(values))
+        if values[i] < best_value:
+            best_value, best_bound = values[i], b[i]
+    cost = np.where(work <= best_bound, work, np.inf)
+    _, choices = _min_sum_dp(cost)
+    return _as_partition(problem, tables, _backtrack(choices, n_max))
+
+
+# --- relaxed: gradient descent ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientSettings:
+    """Static settings of the relaxed search (hashable: one compilation per settings).
+
+    ``temperature`` softens the max over stages (``smooth.smooth_max``) and the recompute
+    indicator, ``memory_temperature`` the memory hinge (``smooth.smooth_relu`` on the relative
+    excess, in units of the capacity); the penalty weight grows geometrically
+    from ``penalty_start`` to ``penalty_end`` over the steps, the learning rate follows a
+    cosine decay from ``learning_rate``.
+    """
+
+    learning_rate: float = 0.05
+    temperature: float = 1e-2
+    memory_temperature: float = 1e-3
+    penalty_start: float = 1.0
+    penalty_end: float = 1e3
+    init_scale: float = 0.3  # standard deviation of the random share logits
+    recompute_init: float = 0.0  # mean of the random recompute logits (0: half recomputed)
+    b2: float = 0.99  # Adam's second-moment decay (0.999 remembers early penalty gradients)
+    polish_moves: int = 1000  # bound on local-search moves per start
+    polish_any_pair: bool = False  # polish also moves layers between non-adjacent stages
+
+
+def _relaxed(problem: PartitionProblem, share_logits, recompute_logits):
+    """(layers, recompute) of the relaxation: simplex shares and recompute fractions, [p]."""
+    n = jnp.asarray(float(problem.n_layers), dtype=share_logits.dtype)
+    layers = n * jax.nn.softmax(share_logits)
+    return layers, layers * jax.nn.sigmoid(recompute_logits)
+
+
+def relaxed_time_s(problem: PartitionProblem, share_logits, recompute_logits, temperature):
+    """Smooth iteration time ``T`` of the relaxed partition (``smooth_max`` over stages)."""
+    layers, recompute = _relaxed(problem, share_logits, recompute_logits)
+    p = problem.n_stages
+    work = _stage_work_s(problem, jnp.arange(p), layers, recompute, jnp.where)
+    m = problem.n_microbatches
+    return (
+        jnp.sum(work)
+        + (m - 1.0) * smooth.smooth_max(work, temperature=temperature)
+        + 2.0 * (p - 1) * problem.send_s
+        + problem.rest_s
+    )
+
+
+def relaxed_excess(problem: PartitionProblem, share_logits, recompute_logits, temperature):
+    """Relative memory excess ``(M_s - cap) / cap`` per stage of the relaxed partition, [p].
+
+    The indicator ``[recompute > 0]`` becomes ``smin(recompute, 1)`` (one layer's full
+    activations phase in over the first recomputed layer).
+    """
+    layers, recompute = _relaxed(problem, share_logits, recompute_logits)
+    p = problem.n_stages
+    stage = jnp.arange(p)
+    static = layers * problem.layer_static_bytes + _ends(
+        problem, stage, problem.first_static_bytes, problem.last_static_bytes, jnp.where
+    )
+    act = problem.in_flight * (
+        (layers - recompute) * problem.layer_act_bytes
+        + recompute * problem.layer_act_recompute_bytes
+    )
+    rebuild = smooth.smin2(recompute, 1.0, temperature) * problem.layer_act_bytes
+    memory = static + act + rebuild + problem.fixed_bytes
+    return (memory - problem.capacity_bytes) / problem.capacity_bytes
+
+
+def relaxed_objective(
+    problem: PartitionProblem,
+    share_logits,
+    recompute_logits,
+    penalty_weight,
+    settings: GradientSettings = GradientSettings(),
+):
+    """``log T + w sum_s (h_s + h_s^2)`` with ``h_s = smooth_relu`` of the relative excess.
+
+    The linear term makes the penalty exact once ``w`` exceeds the constraint's multiplier;
+    the square keeps large violations from dominating early, while ``w`` is small.
+    """
+    tau = settings.temperature
+    time_s = relaxed_time_s(problem, share_logits, recompute_logits, tau)
+    excess = relaxed_excess(problem, share_logits, recompute_logits, tau)
+    hinge = smooth.smooth_relu(excess, 1.0, settings.memory_temperature)
+    return jnp.log(time_s) + penalty_weight * jnp.sum(hinge + hinge**2)
+
+
+@functools.partial(jax.jit, static_argnames=("starts", "steps", "settings"))
+def relaxed_search(
+    problem: PartitionProblem,
+    key: jax.Array,
+    starts: int,
+    steps: int,
+    settings: GradientSettings = GradientSettings(),
+):
+    """Adam on the relaxed objective from ``starts`` random points, all in one ``jit``.
+
+    Start 0 is the uniform partition; the others perturb the share logits (standard deviation
+    ``init_scale``). Recompute logits are drawn around ``recompute_init``. ``jax.vmap``
+    runs the starts together and ``jax.lax.scan`` the steps.
+
+    Returns:
+        (layers [starts, p], recompute [starts, p], objective [starts]): the relaxed solution
+        of each start (real numbers) and its final objective.
+    """
+    p = problem.n_stages
+    dtype = jnp.result_type(float)
+    k_share, k_rec = jax.random.split(key)
+    shares = settings.init_scale * jax.random.normal(k_share, (starts, p), dtype)
+    shares = shares.at[0].set(0.0)
+    recs = jax.random.normal(k_rec, (starts, p), dtype) + settings.recompute_init
+    schedule = optax.cosine_decay_schedule(settings.learning_rate, steps, alpha=0.05)
+    optimizer = optax.adam(schedule, b2=settings.b2)
+    ratio = settings.penalty_end / settings.penalty_start
+
+    def loss(x, weight):
+        return relaxed_objective(problem, x[0], x[1], weight, settings)
+
+    def run(x0):
+        def step(carry, t):
+            x, state = carry
+            weight = settings.penalty_start * ratio ** (t / max(steps - 1, 1))
+            grads = jax.grad(loss)(x, weight)
+            # optax mixes its integer step count with floats: standard promotion for it only
+            with jax.numpy_dtype_promotion("standard"):
+                updates, state = optimizer.update(grads, state, x)
+            return (optax.apply_updates(x, updates), state), None
+
+        with jax.numpy_dtype_promotion("standard"):
+            state0 = optimizer.init(x0)
+        (x, _), _ = jax.lax.scan(step, (x0, state0), jnp.arange(steps, dtype=dtype))
+        return x, loss(x, settings.penalty_end)
+
+    x, objective = jax.vmap(run)((shares, recs))
+    layers, recompute = jax.vmap(lambda a, c: _relaxed(problem, a, c))(x[0], x[1])
+    return layers, recompute, objective
+
+
+def round_layers(layers_real, n_layers: int) -> np.ndarray:
+    """Largest-remainder rounding of real stage sizes [..., p] to integers >= 1 summing to N.
+
+    Floors (at least 1) get the missing layers in order of largest remainder; when the
+    at-least-1 floors overshoot, the stages furthest above their real size give layers back.
+    """
+    x = np.asarray(layers_real, dtype=np.float64)
+    out = np.maximum(np.floor(x), 1.0).astype(np.int64)
+    for row, xr in zip(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])):
+        missing = n_layers - int(row.sum())
+        while missing != 0:
+            remainder = np.where(row > 1, xr - row, np.inf) if missing < 0 else xr - row
+            i = int(np.argmin(remainder)) if missing < 0 else int(np.argmax(remainder))
+            row[i] += 1 if missing > 0 else -1
+            missing += -1 if missing > 0 else 1
+    return out
+
+
+def _moves(p: int, any_pair: bool = False) -> np.ndarray:
+    """Moves of one layer from stage i to stage j, as deltas [moves, p].
+
+    Adjacent stages only (one layer across one boundary: 2 (p - 1) moves), or with
+    ``any_pair`` between any two stages (every boundary between them shifts by one).
+    """
+    src, dst = np.nonzero(~np.eye(p, dtype=bool))
+    if not any_pair:
+        src, dst = src[np.abs(src - dst) == 1], dst[np.abs(src - dst) == 1]
+    delta = np.zeros((src.size, p), dtype=np.int64)
+    delta[np.arange(src.size), src] -= 1
+    delta[np.arange(src.size), dst] += 1
+    return delta
+
+
+def _score(problem: PartitionProblem, tables: StageTables, layers):
+    """(memory excess, iteration time) of partitions [..., p] with the smallest-fit recompute."""
+    work, excess, _ = _lookup(tables, layers)
+    return excess, _pipeline_time_s(problem, work)
+
+
+def local_search(
+    problem: PartitionProblem,
+    tables: StageTables,
+    layers,
+    max_moves: int = 1000,
+    any_pair: bool = False,
+) -> np.ndarray:
+    """Steepest descent by single-layer moves, on (memory excess, time) lexicographically.
+
+    Each partition in the batch repeatedly takes its best move (``_moves``) while that
+    strictly improves it; recompute follows the smallest-that-fits rule, and infeasible
+    partitions first move towards feasibility.
+
+    Args:
+        problem, tables: the problem and its ``stage_tables``.
+        layers: int array [k, p] (or [p]) of partitions to polish, together.
+        max_moves: bound on the moves per partition.
+        any_pair: also move layers between non-adjacent stages.
+
+    Returns:
+        The polished partitions, same shape as ``layers``.
+    """
+    layers = np.asarray(layers, dtype=np.int64)
+    batch = np.atleast_2d(layers).copy()
+    rows = np.arange(batch.shape[0])
+    delta = _moves(problem.n_stages, any_pair)
+    excess, time_s = _score(problem, tables, batch)
+    for _ in range(max_moves):
+        cand = batch[:, None, :] + delta[None, :, :]
+        cand = np.where(np.all(cand >= 1, axis=-1, keepdims=True), cand, batch[:, None, :])
+        c_excess, c_time = _score(problem, tables, cand)
+        least = c_excess <= np.min(c_excess, axis=1, keepdims=True)
+        j = np.argmin(np.where(least, c_time, np.inf), axis=1)
+        b_excess, b_time = c_excess[rows, j], c_time[rows, j]
+        better = (b_excess < excess) | ((b_excess == excess) & (b_time < time_s))
+        if not np.any(better):
+            break
+        batch = np.where(better[:, None], cand[rows, j], batch)
+        excess = np.where(better, b_excess, excess)
+        time_s = np.where(better, b_time, time_s)
+    return batch.reshape(layers.shape)
+
+
+def solve_gradient(
+    problem: PartitionProblem,
+    starts: int = 64,
+    steps: int = 500,
+    seed: int = 0,
+    settings: GradientSettings = GradientSettings(),
+) -> Partition:
+    """The relaxed problem by gradient descent, rounded and polished (DESIGN.md section 5).
+
+    Variables: layer shares ``layers_s = n_layers softmax(a)_s`` (the sum holds by
+    construction) and recompute fractions ``recompute_s = layers_s sigmoid(c_s)``; objective
+    ``log T`` with a smooth max and a memory penalty annealed upwards (``relaxed_objective``);
+    Adam with a cosine schedule over ``steps``, ``starts`` random starts (``relaxed_search``,
+    one compilation per problem shape and settings). Each start is rounded (largest
+    remainder, each >= 1), given the smallest recompute that fits, and polished by
+    ``local_search``; the fastest feasible result is returned.
+
+    Args:
+        problem: the partition problem.
+        starts: random starts run together (``jax.vmap``).
+        steps: Adam steps (``jax.lax.scan``).
+        seed: PRNG seed of the starts.
+        settings: learning rate, temperatures and penalty schedule.
+
+    Returns:
+        The best feasible ``Partition`` found.
+
+    Raises:
+        InfeasiblePartitionError: no partition fits, with the smallest peak memory reachable.
+        RuntimeError: the problem is feasible but no start reached a feasible partition.
+    """
+    tables = stage_tables(problem)
+    _check_feasible(problem, tables)
+    layers_real, _, _ = relaxed_search(
+        problem, jax.random.PRNGKey(seed), starts=starts, steps=steps, settings=settings
+    )
+    rounded = round_layers(np.asarray(layers_real), problem.n_layers)
+    polished = local_search(
+        problem, tables, rounded, settings.polish_moves, any_pair=settings.polish_any_pair
+    )
+    excess, time_s = _score(problem, tables, polished)
+    i = _best_index(excess, time_s)
+    if excess[i] > 0:
+        raise RuntimeError(
+            f"the gradient search found no feasible partition from {starts} starts although "
+            "one exists (see solve_dp): raise starts, steps or settings.penalty_end"
+        )
+    return _as_partition(problem, tables, polished[i])
+
+
+# --- coordinate descent (AutoDDL) ---------------------------------------------------------------
+
+
+def _descend_boundaries(problem: PartitionProblem, tables: StageTables, layers) -> np.ndarray:
+    """Coordinate descent on the p - 1 boundaries until a sweep improves nothing.
+
+    For boundary ``i`` (between stages ``i - 1`` and ``i``) every position strictly between
+    its neighbours is tried with the others fixed; the best (by (excess, time)) is kept.
+    """
+    cuts = np.concatenate([[0], np.cumsum(layers)])
+    p = problem.n_stages
+    excess, time_s = _score(problem, tables, np.diff(cuts))
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, p):
+            positions = np.arange(cuts[i - 1] + 1, cuts[i + 1])
+            cand = np.repeat(cuts[None, :], positions.size, axis=0)
+            cand[:, i] = positions
+            c_excess, c_time = _score(problem, tables, np.diff(cand, axis=1))
+            j = _best_index(c_excess, c_time)
+            if (c_excess[j], c_time[j]) < (excess, time_s):
+                cuts, excess, time_s, improved = cand[j], c_excess[j], c_time[j], True
+    return np.diff(cuts)
+
+
+def random_partition(rng: np.random.Generator, n_layers: int, n_stages: int) -> np.ndarray:
+    """A uniformly random composition of ``n_layers`` into ``n_stages`` parts >= 1."""
+    cuts = np.sort(rng.choice(np.arange(1, n_layers), size=n_stages - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [n_layers]]))
+
+
+def solve_coordinate_descent(
+    problem: PartitionProblem, time_budget_s: float, seed: int = 0
+) -> Partition:
+    """AutoDDL-style coordinate descent over the stage boundaries, with random restarts.
+
+    The first descent starts from the uniform partition; then random partitions
+    (``random_partition``) restart it until ``time_budget_s`` is used (at least one descent
+    runs). Recompute follows the smallest-that-fits rule throughout.
+
+    Args:
+        problem: the partition problem.
+        time_budget_s: wall-clock budget in seconds.
+        seed: seed of the random restarts.
+
+    Returns:
+        The best feasible ``Partition`` found.
+
+    Raises:
+        InfeasiblePartitionError: no partition fits, with the smallest peak memory reachable.
+        RuntimeError: the problem is feasible but no descent reached a feasible partition.
+    """
+    deadline = time.perf_counter() + time_budget_s
+    tables = stage_tables(problem)
+    _check_feasible(problem, tables)
+    rng = np.random.default_rng(seed)
+    start = uniform_partition(problem.n_layers, problem.n_stages)
+    best, best_key = None, (np.inf, np.inf)
+    while True:
+        layers = _descend_boundaries(problem, tables, start)
+        key = _score(problem, tables, layers)
+        if key < best_key:
+            best, best_key = layers, key
+        if time.perf_counter() >= deadline:
+            break
+        start = random_partition(rng, problem.n_layers, problem.n_stages)
+    if best_key[0] > 0:
+        raise RuntimeError("coordinate descent found no feasible partition: raise the budget")
+    return _as_partition(problem, tables, best)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def _partition_dict(partition: Partition) -> dict:
+    return {
+        "layers": partition.layers.tolist(),
+        "recompute": partition.recompute.tolist(),
+        "time_s": partition.time_s,
+    }
+
+
+def compare(
+    problem: PartitionProblem,
+    time_budget_s: float | None = None,
+    starts: int = 64,
+    steps: int = 500,
+    seed: int = 0,
+    settings: GradientSettings = GradientSettings(),
+) -> dict:
+    """DP, gradient search and coordinate descent on one problem, timed (for the benchmark).
+
+    The DP runs once (numpy, nothing to compile). The gradient search runs twice after its
+    jit cache is cleared: ``gradient_compile_s`` is the first call minus the second, and
+    ``gradient_time_s`` the second (warm) call. Coordinate descent gets ``time_budget_s``, or
+    by default the gradient search's warm time. Two untimed ablations show where the gradient
+    result comes from: ``gradient_rounded_s`` is the best start after rounding but before the
+    local search, ``uniform_polished_s`` the same local search from the uniform partition
+    with no gradient step.
+
+    Args:
+        problem: the partition problem.
+        time_budget_s: coordinate descent's budget; None for the gradient search's warm time.
+        starts, steps, seed, settings: of ``solve_gradient``.
+
+    Returns:
+        A dict of plain Python values: ``layers``, ``stages``, ``microbatches``, ``uniform_s``
+        (None when no uniform partition fits), ``dp_s``, ``dp_time_s``, ``gradient_s``,
+        ``gradient_time_s``, ``gradient_compile_s``, ``coordinate_s``, ``coordinate_time_s``,
+        ``coordinate_budget_s``, ``gap_to_dp_pct``, ``gap_to_coordinate_pct`` (positive:
+        gradient worse), ``gradient_rounded_s``, ``uniform_polished_s`` and the partitions
+        ``dp``, ``gradient``, ``coordinate`` (layers, recompute, time_s each).
+
+    Raises:
+        InfeasiblePartitionError: no partition fits.
+    """
+    t0 = time.perf_counter()
+    dp = solve_dp(problem)
+    dp_time = time.perf_counter() - t0
+
+    relaxed_search.clear_cache()
+    run = lambda: solve_gradient(problem, starts, steps, seed, settings)  # noqa: E731
+    t0 = time.perf_counter()
+    run()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gradient = run()
+    gradient_time = time.perf_counter() - t0
+
+    budget = gradient_time if time_budget_s is None else float(time_budget_s)
+    t0 = time.perf_counter()
+    coordinate = solve_coordinate_descent(problem, budget, seed)
+    coordinate_time = time.perf_counter() - t0
+
+    tables = stage_tables(problem)
+    layers_real, _, _ = relaxed_search(
+        problem, jax.random.PRNGKey(seed), starts=starts, steps=steps, settings=settings
+    )
+    rounded = round_layers(np.asarray(layers_real), problem.n_layers)
+    excess, rounded_s = _score(problem, tables, rounded)
+    uniform = uniform_partition(problem.n_layers, problem.n_stages)
+    polished = local_search(problem, tables, uniform, any_pair=settings.polish_any_pair)
+    polished_excess, polished_s = _score(problem, tables, polished)
+    pct = lambda a, b: 100.0 * (a / b - 1.0)  # noqa: E731
+    return {
+        "layers": problem.n_layers,
+        "stages": problem.n_stages,
+        "microbatches": float(problem.n_microbatches),
+        "uniform_s": uniform_time_s(problem, tables),
+        "dp_s": dp.time_s,
+        "dp_time_s": dp_time,
+        "gradient_s": gradient.time_s,
+        "gradient_time_s": gradient_time,
+        "gradient_compile_s": max(first - gradient_time, 0.0),
+        "coordinate_s": coordinate.time_s,
+        "coordinate_time_s": coordinate_time,
+        "coordinate_budget_s": budget,
+        "gap_to_dp_pct": pct(gradient.time_s, dp.time_s),
+        "gap_to_coordinate_pct": pct(gradient.time_s, coordinate.time_s),
+        "gradient_rounded_s": float(np.min(np.where(excess > 0, np.inf, rounded_s))),
+        "uniform_polished_s": None if polished_excess > 0 else float(polished_s),
+        "dp": _partition_dict(dp),
+        "gradient": _partition_dict(gradient),
+        "coordinate": _partition_dict(coordinate),
+    }
+
+
+# The split of configs/plans/megatron-3d-175b.yaml (tp 8 inside a node, 16 pipeline stages, dp 8:
+# 1,024 GPUs) with 1F1B instead of interleaving, microbatch 4 (48 microbatches of the 1536
+# sequences), the distributed optimizer (ZeRO-1) and no sequence parallelism (as in Megatron-LM
+# before Korthikanti et al.): see ``partition_case``.
+BENCHMARK_PLAN = dict(
+    tp=8, pp=16, dp=8, microbatch=4, global_batch=1536, zero=1, sequence_parallel=False
+)
+
+
+def partition_case(
+    model: str = "gpt3-175b",
+    cluster: str = "selene-a100-80g",
+    profile=None,
+    **plan_fields,
+) -> tuple[PartitionProblem, str]:
+    """The benchmark case "non-uniform partition of a 96-layer model", or another one.
+
+    Default: GPT-3 175B (96 layers, vocabulary 50257) on Selene (A100 80 GB) with the
+    calibrated constants, ``BENCHMARK_PLAN``: tp 8 x pp 16 x dp 8 = 1,024 GPUs, microbatch 4,
+    global batch 1536 (48 microbatches), ZeRO-1, no sequence parallelism, 1F1B. Why: with
+    6 layers per stage and microbatch 4, the first stage holds 16 microbatches of activations
+    (1.3 GB per layer and microbatch) and needs 129 GiB without recompute, the last stage
+    20 GiB: memory binds on the early stages only, so the uniform partition recomputes there
+    (4, 3, 3, ... layers) while the later stages have room, and the optimum moves layers to
+    the back (4 or 5 layers early, 7 late) with less recompute, 4.9% faster. With sequence
+    parallelism, or microbatch 1 or 2, the 16-stage optimum stays uniform (one layer is a
+    sixth of a stage: recomputing is cheaper than moving it); 8-stage plans have uneven
+    optima too, but a search space of C(95, 7) partitions instead of C(95, 15).
+
+    Args:
+        model, cluster: preset names or YAML paths (``diffcost.config``).
+        profile: calibration profile (``calibration.profile.params_for``; None: default).
+        plan_fields: ``PlanSpec`` fields replacing those of ``BENCHMARK_PLAN`` (schedule is
+            1f1b).
+
+    Returns:
+        (problem, one-line description).
+    """
+    from calibration.profile import params_for
+
+    model_spec = config.load_model(model)
+    cluster_spec = config.load_cluster(cluster)
+    plan = PlanSpec(schedule="1f1b", **{**BENCHMARK_PLAN, **plan_fields})
+    params, note = params_for(cluster_spec, profile)
+    problem = problem_for(model_spec, plan, cluster_spec, params)
+    description = (
+        f"{model_spec.name} ({model_spec.n_layers} layers) on {cluster_spec.name}, "
+        f"{plan.n_gpus} GPUs: tp {plan.tp} x pp {plan.pp} x dp {plan.dp}, microbatch "
+        f"{plan.microbatch}, global batch {plan.global_batch} "
+        f"({float(problem.n_microbatches):g} microbatches), ZeRO-{plan.zero}, sequence "
+        f"parallel {'on' if plan.sequence_parallel else 'off'}, 1F1B; {note}"
+    )
+    return problem, description
