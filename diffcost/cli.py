@@ -1,4 +1,4 @@
-"""The ``diffcost`` command line: ``predict`` and ``validate``."""
+"""The ``diffcost`` command line: predict, validate, calibrate, explain, search and sweep."""
 
 from __future__ import annotations
 
@@ -214,6 +214,123 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _add_space_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model preset (e.g. gpt3-175b) or model YAML")
+    p.add_argument("--cluster", required=True, help="cluster preset or cluster YAML")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's seq_len)")
+    p.add_argument("--profile", help="calibrated profile file, or 'none' for datasheet defaults")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _plan_experiment(space, choice) -> Experiment:
+    return Experiment(
+        model=space.model,
+        cluster=space.cluster,
+        plan=space.plan_spec(choice),
+        source=f"search {space.model.name} on {space.n_gpus} GPUs of {space.cluster.name}",
+    )
+
+
+def cmd_search(args) -> int:
+    from diffcost import api
+    from diffcost import search as search_mod
+    from diffcost.space import load_space
+
+    space = load_space(args.model, args.cluster, args.gpus, args.global_batch, args.seq)
+    from calibration.profile import params_for
+
+    if args.top < 1:
+        raise config_mod.ConfigError(f"--top {args.top}: must be at least 1")
+    params, note = params_for(space.cluster, args.profile)
+    cfg = search_mod.SearchConfig(starts=args.starts, steps=args.steps, seed=args.seed)
+    if not args.json:
+        print(f"constants: {note}", file=sys.stderr)
+        print(
+            f"searching {args.starts} relaxed starts x {args.steps} steps "
+            "(the first run compiles for up to a minute; later runs reuse the cache)...",
+            file=sys.stderr,
+        )
+    result = search_mod.search(space, params, args.top, cfg)
+    stats = {
+        "seconds": result.seconds,
+        "descent_s": result.descent_s,
+        "rounding_s": result.rounding_s,
+        "polish_s": result.polish_s,
+        "evaluated": result.evaluated,
+        "polish_rounds": result.rounds,
+    }
+    top = []
+    for c in result.best:
+        exp = _plan_experiment(space, c.choice)
+        d = breakdown_dict(exp, api.predict(exp, params=params))
+        top.append({"plan": c.choice.describe(space), "label": c.choice.label(space), **d})
+    closest = result.closest
+    out = {
+        "model": space.model.name,
+        "cluster": space.cluster.name,
+        "n_gpus": space.n_gpus,
+        "global_batch": space.global_batch,
+        "seq_len": space.model.seq_len,
+        "profile": note,
+        "fits": bool(top),
+        "search": stats,
+        "top": top,
+        "closest": {
+            "plan": closest.choice.describe(space),
+            "label": closest.choice.label(space),
+            "memory_peak_bytes": closest.memory_peak_bytes,
+            "memory_capacity_bytes": space.cluster.gpu.memory_GiB * GiB,
+            "status": STATUS_NAMES[closest.status],
+        },
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0 if top else 1
+    if not top:
+        cap = space.cluster.gpu.memory_GiB
+        print(
+            f"nothing fits: no plan of {space.model.name} on {space.n_gpus} GPUs of "
+            f"{space.cluster.name} with global batch {space.global_batch} fits in {cap:g} GiB per "
+            f"GPU. The smallest peak memory reached is {closest.memory_peak_bytes / GiB:.1f} GiB "
+            f"({closest.choice.label(space)}); use more GPUs, a GPU with more memory, or a "
+            "shorter sequence."
+        )
+        return 1
+    _print_prediction(_plan_experiment(space, result.best[0].choice), top[0])
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"top {len(top)} plans found")
+    for col in ("#", "plan", "iteration s", "vs best", "tokens/s", "MFU %", "peak GiB"):
+        t.add_column(col, justify="left" if col == "plan" else "right")
+    best_s = top[0]["iteration_s"]
+    for i, d in enumerate(top, 1):
+        t.add_row(
+            str(i),
+            d["label"],
+            f"{d['iteration_s']:.4g}",
+            f"+{100 * (d['iteration_s'] / best_s - 1):.2f}%",
+            f"{d['tokens_per_s']:.4g}",
+            f"{100 * d['mfu']:.1f}",
+            f"{d['memory_peak_bytes'] / GiB:.1f}",
+        )
+    Console().print(t)
+    print(
+        f"search: {result.seconds:.2f} s (descent {result.descent_s:.2f} s, rounding "
+        f"{result.rounding_s:.2f} s, polish {result.polish_s:.2f} s), {result.evaluated} "
+        f"discrete plans evaluated exactly, {result.rounds} polish rounds; constants: {note}"
+    )
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from diffcost import sweep
+
+    return sweep.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffcost",
@@ -256,6 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--top", type=int, metavar="N", help="only the N largest magnitudes")
     e.set_defaults(func=cmd_explain)
+    s = sub.add_parser("search", help="find a fast plan that fits (gradient descent + polish)")
+    _add_space_arguments(s)
+    s.add_argument("--top", type=int, default=5, metavar="K", help="print the K best plans")
+    s.add_argument("--starts", type=int, default=32, help="relaxed starts descending at once")
+    s.add_argument("--steps", type=int, default=150, help="optimizer steps per start")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random starts")
+    s.set_defaults(func=cmd_search)
+    from diffcost import sweep
+
+    w = sub.add_parser("sweep", help="evaluate every valid plan (sharded over devices)")
+    sweep.add_arguments(w)
+    w.set_defaults(func=cmd_sweep)
     return parser
 
 

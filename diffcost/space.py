@@ -36,6 +36,7 @@ from diffcost.specs import (
 # Rank orders (innermost first) that Megatron-Core's rank generator offers: the default
 # tp-cp-ep-dp-pp, and tp-cp-ep-pp-dp (``--use-tp-pp-dp-mapping``).
 ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
+_RECOMPUTE_SHORT = {"none": "norc", "selective": "sel", "full": "full"}
 
 
 class Choice(NamedTuple):
@@ -52,6 +53,22 @@ class Choice(NamedTuple):
     recompute: str
     zero: int
     order: int
+
+    def label(self, space: Space) -> str:
+        """A compact description, e.g. ``"tp8 pp8 dp16 mb1 1f1b zero1 sel"``.
+
+        cp and ep appear when above 1, the interleaving depth as ``interleaved-v4``, recompute
+        as ``norc`` / ``sel`` / ``full``, and the rank order when it is not the default.
+        """
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        parts += [f"cp{self.cp}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
+        parts.append(f"mb{self.microbatch}")
+        interleaved = self.schedule == "interleaved"
+        parts.append(f"interleaved-v{self.chunks}" if interleaved else self.schedule)
+        parts += [f"zero{self.zero}", _RECOMPUTE_SHORT[self.recompute]]
+        if self.order != 0:
+            parts.append("order " + "-".join(space.orders[self.order]))
+        return " ".join(parts)
 
     def describe(self, space: Space) -> dict:
         """The choice as a plain dict (order spelled out), for tables, JSON and CSV."""

@@ -1,0 +1,689 @@
+"""Exhaustive sweeps: every plan of a ``Space``, evaluated in fixed-size chunks over all devices.
+
+``sweep`` enumerates a ``diffcost.space.Space`` (``space.enumerate_plans``) and ``evaluate``
+runs ``jax.vmap(simulate)`` over the batched plans. The batch axis is split into chunks of one
+fixed size (the last chunk padded by repeating a row, the padding dropped afterwards), and each
+chunk is sharded over every device JAX sees along a one-axis mesh ``("batch",)``; the model,
+the cluster and the Params are replicated. One jit-compiled program serves every chunk: it is
+compiled once per (devices, temperature) and, inside that, once per chunk size and dtype.
+The result is the same ``Breakdown`` as ``simulate`` returns, with numpy leaves and a leading
+axis over the configurations.
+
+Around it, at the edge: ``best`` (the fastest plans that fit), ``pareto_front`` (time against
+peak memory), ``write_csv`` (one row per configuration), ``plot_pareto`` (a PNG), and the
+command line (``add_arguments`` and ``run``, wired in as ``diffcost sweep``).
+
+Several hosts:
+    The same code runs over the devices of several hosts. Every process calls
+    ``jax.distributed.initialize()`` before anything else touches JAX (on Slurm or Cloud TPU
+    it finds the coordinator itself; elsewhere pass ``coordinator_address``,
+    ``num_processes`` and ``process_id``), then runs the same program: ``jax.devices()``
+    then lists every host's devices, so ``evaluate``'s mesh spans them all and each chunk is
+    split across hosts. Every process enumerates the same plans (enumeration is
+    deterministic), so no plan data travels between hosts: each process builds the global
+    chunk from its own copy with ``jax.make_array_from_callback``, which materializes only the
+    shards on its addressable devices. A process can read only those shards of the outputs,
+    so when ``jax.process_count() > 1`` ``evaluate`` gathers each chunk's outputs with
+    ``jax.experimental.multihost_utils.process_allgather`` (tiled along the batch axis), and
+    every process returns the full ``Breakdown``; with one process that branch is skipped
+    and the outputs are read directly. Write files from one process only
+    (``jax.process_index() == 0``).
+
+Examples:
+    >>> from diffcost import space, sweep  # doctest: +SKIP
+    >>> from calibration.profile import params_for  # doctest: +SKIP
+    >>> s = space.load_space("gpt3-175b", "selene-a100-80g", 1024, 1536)  # doctest: +SKIP
+    >>> result = sweep.sweep(s, params_for(s.cluster)[0])  # doctest: +SKIP
+    >>> [result.choices[i] for i in sweep.best(result, 3)]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from diffcost import smooth
+from diffcost.arrays import GiB, PlanArrays, cluster_arrays, model_arrays
+from diffcost.config import ConfigError
+from diffcost.params import Params
+from diffcost.simulate import STATUS_INVALID, STATUS_NAMES, STATUS_OK, Breakdown, simulate
+from diffcost.space import Choice, Space, enumerate_plans, load_space
+
+BATCH_AXIS = "batch"
+DEFAULT_CHUNK = 8192
+DEFAULT_TOP = 10
+PLOT_MEMORY_RANGE = 3.0  # the plot's memory axis ends at this multiple of the GPU memory
+
+ProgressFn = Callable[[int, int], None]
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _sharded_simulate(devices: tuple, temperature: float):
+    """(jitted vmap(simulate) with batch-sharded plans, row sharding, replicated sharding).
+
+    One jit object per (devices, temperature); jit's own cache then compiles it once per
+    chunk size and dtype.
+    """
+    mesh = Mesh(np.asarray(devices, dtype=object), (BATCH_AXIS,))
+    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
+    whole = NamedSharding(mesh, PartitionSpec())
+    batched = jax.vmap(
+        lambda model, plan, cluster, params: simulate(model, plan, cluster, params, temperature),
+        in_axes=(None, 0, None, None),
+    )
+    fn = jax.jit(batched, in_shardings=(whole, rows, whole, whole), out_shardings=rows)
+    return fn, rows, whole
+
+
+def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``x`` (the same on every process) as a global array laid out by ``sharding``."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _to_host(tree):
+    """Numpy copies of a pytree of global arrays (gathered across processes when needed)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def chunk_size(n: int, chunk: int, n_devices: int) -> int:
+    """The chunk actually used for ``n`` configurations on ``n_devices``.
+
+    ``chunk`` rounded up to a multiple of the device count; for a space smaller than that,
+    the next power of two at or above ``n`` (so small spaces do not compute a full chunk of
+    padding, and their sizes still share a few compilations).
+
+    Raises:
+        ConfigError: ``chunk`` is not a positive integer.
+    """
+    if chunk < 1:
+        raise ConfigError(f"chunk={chunk}: need at least 1 configuration per chunk")
+    if n < chunk:
+        chunk = 1 << max(n - 1, 0).bit_length()
+    return -(-chunk // n_devices) * n_devices
+
+
+def evaluate(
+    space: Space,
+    plans: PlanArrays,
+    params: Params,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    devices: Sequence[jax.Device] | None = None,
+    progress: ProgressFn | None = None,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+) -> Breakdown:
+    """Simulate every plan of a batch, in fixed-size chunks sharded over the devices.
+
+    Args:
+        space: fixes the model and cluster (``space.model``, ``space.cluster``).
+        plans: batched ``PlanArrays`` with a leading axis of ``n`` configurations (numpy or
+            JAX leaves, any float dtype; converted to JAX's default float).
+        params: calibrated constants (replicated on every device).
+        chunk: configurations per compiled call; rounded up to a multiple of the device count
+            (see ``chunk_size``). The last chunk is padded by repeating the last plan.
+        devices: the devices to shard the batch over; default every device JAX sees
+            (every host's, after ``jax.distributed.initialize()``).
+        progress: called as ``progress(done, n)``: with ``done = 0`` once the program is
+            compiled, then after each chunk is on the host.
+        temperature: relative softness of every max/min (static; 0 is the exact model).
+
+    Returns:
+        A ``Breakdown`` with numpy leaves of leading dimension ``n`` (``status`` int32).
+
+    Raises:
+        ConfigError: ``chunk`` < 1, or the plan leaves disagree on ``n``.
+    """
+    dtype = jnp.result_type(float)
+    devices = tuple(jax.devices() if devices is None else devices)
+    fn, rows, whole = _sharded_simulate(devices, float(temperature))
+
+    as_float = lambda x: np.asarray(x, dtype=dtype)  # noqa: E731
+    plans = jax.tree_util.tree_map(as_float, plans)
+    sizes = {leaf.shape[0] if leaf.ndim else -1 for leaf in jax.tree_util.tree_leaves(plans)}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ConfigError(f"plans: every leaf needs the same leading batch axis, got {sizes}")
+    (n,) = sizes
+    size = chunk_size(n, chunk, len(devices))
+
+    replicate = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: _global_array(as_float(x), whole), tree
+    )
+    model = replicate(model_arrays(space.model))
+    cluster = replicate(cluster_arrays(space.cluster))
+    params = replicate(params)
+
+    chunk_in = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype, sharding=rows), plans
+    )
+    # compiled ahead of the first chunk (cached: later calls lower and compile nothing)
+    compiled = fn.lower(model, chunk_in, cluster, params).compile()
+    out = jax.tree_util.tree_map(lambda s: np.empty((n, *s.shape[1:]), s.dtype), compiled.out_info)
+
+    def launch(start):
+        if start + size <= n:
+            take = lambda x: x[start : start + size]  # noqa: E731
+        else:  # the last chunk: pad by repeating the last plan
+            index = np.minimum(np.arange(start, start + size), n - 1)
+            take = lambda x: x[index]  # noqa: E731
+        rows_in = jax.tree_util.tree_map(lambda x: _global_array(take(x), rows), plans)
+        return start, compiled(model, rows_in, cluster, params)
+
+    def collect(start, result):
+        stop = min(start + size, n)
+        for dst, src in zip(
+            jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(_to_host(result))
+        ):
+            dst[start:stop] = src[: stop - start]
+        if progress is not None:
+            progress(stop, n)
+
+    if progress is not None:
+        progress(0, n)
+    pending = None
+    for start in range(0, n, size):
+        launched = launch(start)  # dispatch the next chunk before reading the previous one
+        if pending is not None:
+            collect(*pending)
+        pending = launched
+    if pending is not None:
+        collect(*pending)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Sweep and its summaries
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+    """Every configuration of a space and its prediction (``breakdown`` rows = ``choices``)."""
+
+    space: Space
+    choices: list[Choice]
+    breakdown: Breakdown
+    seconds: float  # wall time of the evaluation, compilation included
+    configs_per_s: float  # configurations over the time after compilation
+    devices: int
+    compile_s: float = 0.0  # compilation (trace, lower, XLA), about 0 once cached
+
+
+def sweep(space: Space, params: Params, **kw) -> SweepResult:
+    """Enumerate every valid plan of ``space`` and evaluate it.
+
+    Args:
+        space: the plan space.
+        params: calibrated constants.
+        **kw: passed to ``evaluate`` (``chunk``, ``devices``, ``progress``, ``temperature``).
+
+    Returns:
+        A ``SweepResult``.
+    """
+    plans, choices = enumerate_plans(space)
+    devices = kw.get("devices")
+    n_devices = len(jax.devices() if devices is None else devices)
+    user_progress = kw.pop("progress", None)
+    compiled_at = []
+
+    def progress(done, total):
+        if not compiled_at:
+            compiled_at.append(time.perf_counter())
+        if user_progress is not None:
+            user_progress(done, total)
+
+    t0 = time.perf_counter()
+    breakdown = evaluate(space, plans, params, progress=progress, **kw)
+    t1 = time.perf_counter()
+    running = t1 - compiled_at[0]
+    return SweepResult(
+        space=space,
+        choices=choices,
+        breakdown=breakdown,
+        seconds=t1 - t0,
+        configs_per_s=len(choices) / running if running > 0 else math.inf,
+        devices=n_devices,
+        compile_s=compiled_at[0] - t0,
+    )
+
+
+def _feasible(iteration_s, memory_peak_bytes, ok_mask) -> np.ndarray:
+    return (
+        np.asarray(ok_mask, dtype=bool) & np.isfinite(iteration_s) & np.isfinite(memory_peak_bytes)
+    )
+
+
+def best(result: SweepResult, k: int = DEFAULT_TOP) -> np.ndarray:
+    """Indices of the ``k`` fastest configurations with status ok, fastest first.
+
+    Ties keep enumeration order. Fewer than ``k`` when fewer fit; empty when none does.
+    """
+    b = result.breakdown
+    ok = np.flatnonzero(_feasible(b.iteration_s, b.memory_peak_bytes, b.status == STATUS_OK))
+    order = np.argsort(b.iteration_s[ok], kind="stable")
+    return ok[order[: max(int(k), 0)]]
+
+
+def pareto_front(iteration_s, memory_peak_bytes, ok_mask) -> np.ndarray:
+    """Indices of the Pareto-optimal configurations (less time, less memory), by memory.
+
+    A feasible configuration (``ok_mask`` and finite values) is on the front when no other
+    feasible one is at least as good in both and strictly better in one. Configurations with
+    exactly the same (memory, time) are one point: the first index represents them. So every
+    feasible configuration off the front is dominated by, or equal to, one on it. Sorting
+    once makes this O(n log n).
+
+    Args:
+        iteration_s: [n] seconds.
+        memory_peak_bytes: [n] bytes (any unit works).
+        ok_mask: [n] bool, the configurations allowed on the front.
+
+    Returns:
+        int indices, memory ascending (so time descending).
+
+    Examples:
+        >>> pareto_front([3.0, 1.0, 2.0, 2.5], [1.0, 3.0, 2.0, 2.5], [True] * 4).tolist()
+        [0, 2, 1]
+    """
+    t = np.asarray(iteration_s, dtype=float)
+    m = np.asarray(memory_peak_bytes, dtype=float)
+    idx = np.flatnonzero(_feasible(t, m, ok_mask))
+    if idx.size == 0:
+        return idx
+    idx = idx[np.lexsort((t[idx], m[idx]))]  # memory, then time; stable for exact ties
+    ts = t[idx]
+    fastest_before = np.minimum.accumulate(np.concatenate([[np.inf], ts[:-1]]))
+    return idx[ts < fastest_before]
+
+
+def result_front(result: SweepResult) -> np.ndarray:
+    """``pareto_front`` of a sweep's configurations with status ok."""
+    b = result.breakdown
+    return pareto_front(b.iteration_s, b.memory_peak_bytes, b.status == STATUS_OK)
+
+
+def status_counts(result: SweepResult) -> dict[str, int]:
+    """Configurations per status name (every name present)."""
+    counts = np.bincount(result.breakdown.status, minlength=len(STATUS_NAMES))
+    return {name: int(c) for name, c in zip(STATUS_NAMES, counts)}
+
+
+def smallest_memory(result: SweepResult) -> int | None:
+    """Index of the valid configuration with the smallest peak memory (None if none)."""
+    b = result.breakdown
+    valid = np.flatnonzero((b.status != STATUS_INVALID) & np.isfinite(b.memory_peak_bytes))
+    if valid.size == 0:
+        return None
+    return int(valid[np.argmin(b.memory_peak_bytes[valid])])
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("" if n == 1 else "s")
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+def csv_header() -> list[str]:
+    """The columns of ``write_csv``."""
+    return [
+        *Choice._fields,
+        "iteration_s",
+        "tokens_per_s",
+        "mfu",
+        *Breakdown.TIME_PARTS,
+        "memory_peak_gib",
+        "memory_capacity_gib",
+        "status",
+        "pareto",
+    ]
+
+
+def _fmt(values) -> list[str]:
+    """6 significant digits; each distinct value formatted once (sweeps repeat many)."""
+    values = np.asarray(values, dtype=float) + 0.0  # + 0.0 turns -0 into 0
+    distinct, index = np.unique(values, return_inverse=True)
+    text = np.asarray([f"{v:.6g}" for v in distinct.tolist()], dtype=object)
+    return text[index.reshape(-1)].tolist()
+
+
+def time_part(b: Breakdown, part: str) -> np.ndarray:
+    """A part of the iteration time, with float noise below 1e-9 of the iteration set to 0.
+
+    Some parts are differences of larger sums (the bubble is the pipeline time minus its
+    steady-state work): where they are zero in exact arithmetic they come out as +-1e-16 s,
+    and which sign depends on how XLA compiled the program (device count, batch size).
+    """
+    x = np.asarray(getattr(b, part))
+    return np.where(np.abs(x) <= 1e-9 * np.abs(b.iteration_s), 0.0, x)
+
+
+def write_csv(path: str | os.PathLike, result: SweepResult) -> Path:
+    """One row per configuration (columns: ``csv_header()``); returns the path.
+
+    Choice fields as in ``Choice.describe`` (rank order spelled ``tp-cp-dp-pp``), times in
+    seconds, memory in GiB, status by name, ``pareto`` 1 on the front. Floats keep 6
+    significant digits.
+    """
+    b, space = result.breakdown, result.space
+    n = len(result.choices)
+    fields = list(zip(*result.choices)) if n else [()] * len(Choice._fields)
+    columns = dict(zip(Choice._fields, fields))
+    names = ["-".join(o) for o in space.orders]
+    columns["order"] = [names[i] for i in columns["order"]]
+    on_front = np.zeros(n, dtype=np.int8)
+    on_front[result_front(result)] = 1
+    capacity = np.broadcast_to(b.memory_capacity_bytes, (n,))
+    columns.update(
+        {
+            "iteration_s": _fmt(b.iteration_s),
+            "tokens_per_s": _fmt(b.tokens_per_s),
+            "mfu": _fmt(b.mfu),
+            **{part: _fmt(time_part(b, part)) for part in Breakdown.TIME_PARTS},
+            "memory_peak_gib": _fmt(b.memory_peak_bytes / GiB),
+            "memory_capacity_gib": _fmt(capacity / GiB),
+            "status": np.asarray(STATUS_NAMES)[b.status].tolist(),
+            "pareto": on_front.tolist(),
+        }
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = csv_header()
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        writer.writerows(zip(*(columns[h] for h in header)))
+    return path
+
+
+def plot_pareto(path: str | os.PathLike, result: SweepResult) -> Path:
+    """PNG of iteration time against peak memory per GPU, with the Pareto front.
+
+    Feasible configurations are small grey points, out-of-memory ones light red; the front is
+    a line with markers; a dashed vertical line marks the GPU memory; the fastest feasible
+    plan is annotated. When some plan fits, the memory axis stops at ``PLOT_MEMORY_RANGE``
+    times the GPU memory (the legend counts the points beyond). The time axis is logarithmic
+    when the points shown span more than 10x.
+    """
+    from matplotlib import ticker
+    from matplotlib.figure import Figure  # no pyplot: no global state, renders with Agg
+
+    b, space = result.breakdown, result.space
+    mem = b.memory_peak_bytes / GiB
+    t = b.iteration_s
+    capacity = float(np.max(b.memory_capacity_bytes)) / GiB
+    front = result_front(result)
+    shown = np.isfinite(mem) & np.isfinite(t) & (b.status != STATUS_INVALID)
+    right = PLOT_MEMORY_RANGE * capacity
+    beyond = shown & (mem > right) if front.size else np.zeros_like(shown)
+    shown &= ~beyond
+    ok = shown & (b.status == STATUS_OK)
+    oom = shown & (b.status != STATUS_OK)
+
+    fig = Figure(figsize=(9, 6), dpi=120)
+    ax = fig.add_subplot()
+    oom_label = "out of memory" + (
+        f" ({int(beyond.sum()):,} beyond {right:.0f} GiB not shown)" if beyond.any() else ""
+    )
+    ax.scatter(mem[oom], t[oom], s=4, color="#f4a6a6", alpha=0.4, lw=0, label=oom_label)
+    ax.scatter(mem[ok], t[ok], s=4, color="0.55", alpha=0.4, lw=0, label="fits")
+    if front.size:
+        ax.plot(mem[front], t[front], "o-", color="C0", ms=4, lw=1.5, label="Pareto front")
+        i = best(result, 1)[0]
+        ax.annotate(
+            f"fastest: {result.choices[i].label(space)}\n{t[i]:.3g} s, {mem[i]:.1f} GiB",
+            xy=(mem[i], t[i]),
+            xytext=(14, 14),
+            textcoords="offset points",
+            fontsize=8,
+            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "0.6", "alpha": 0.9},
+            arrowprops={"arrowstyle": "->", "lw": 0.8},
+        )
+    else:
+        ax.text(
+            0.5,
+            0.5,
+            f"no plan fits in {capacity:.0f} GiB",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=12,
+            color="#b22222",
+        )
+    ax.axvline(capacity, color="k", ls="--", lw=1, label=f"GPU memory {capacity:.0f} GiB")
+    if beyond.any():
+        ax.set_xlim(0, right)
+    times = t[shown]
+    if times.size and np.min(times) > 0 and np.max(times) > 10 * np.min(times):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(
+            ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else "")
+        )
+    ax.set_xlabel("peak memory per GPU (GiB)")
+    ax.set_ylabel("iteration time (s)")
+    ax.set_title(
+        f"{space.model.name} on {space.cluster.name}: {_gpus(space.n_gpus)}, global batch "
+        f"{space.global_batch}, {len(result.choices):,} configurations",
+        fontsize=10,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8, markerscale=2)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    """Add the ``sweep`` command's arguments to an ``argparse`` parser."""
+    parser.add_argument("model", metavar="MODEL", help="model preset (gpt3-175b) or YAML path")
+    parser.add_argument("--cluster", required=True, help="cluster preset or YAML path")
+    parser.add_argument("--gpus", type=int, required=True, help="GPU count")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    parser.add_argument("--seq", type=int, help="sequence length (overrides the model's)")
+    parser.add_argument("--out", metavar="FILE.csv", help="write one row per configuration")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="Pareto plot (default with --out: <stem>_pareto.png next to it)",
+    )
+    parser.add_argument(
+        "--top", type=int, default=DEFAULT_TOP, metavar="K", help="fastest plans to list"
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        metavar="N",
+        help="configurations per compiled call",
+    )
+    parser.add_argument(
+        "--profile", help="calibrated profile file, or 'none' for datasheet defaults"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _progress_bar(enabled: bool):
+    """A rich progress bar on stderr with a configurations/s column (disabled: no output)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task):
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{speed:,.0f} configurations/s")
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=True,
+    )
+
+
+def _plan_row(result: SweepResult, i: int) -> dict:
+    b = result.breakdown
+    return {
+        "plan": result.choices[i].describe(result.space),
+        "iteration_s": float(b.iteration_s[i]),
+        "tokens_per_s": float(b.tokens_per_s[i]),
+        "mfu": float(b.mfu[i]),
+        "memory_peak_gib": float(b.memory_peak_bytes[i] / GiB),
+    }
+
+
+def run(args) -> int:
+    """``diffcost sweep``: evaluate every plan, list the fastest, write CSV and plot.
+
+    Raises:
+        ConfigError: bad model, cluster, GPU count, batch, --top or --chunk.
+        calibration.profile.ProfileError: a bad --profile.
+    """
+    from calibration.profile import params_for
+
+    if args.top < 0:
+        raise ConfigError(f"--top {args.top}: need 0 or more")
+    if args.chunk < 1:
+        raise ConfigError(f"--chunk {args.chunk}: need at least 1")
+    space = load_space(args.model, args.cluster, args.gpus, args.global_batch, seq=args.seq)
+    params, note = params_for(space.cluster, args.profile)
+    if not args.json:
+        print(f"constants: {note}")
+
+    with _progress_bar(not args.json and sys.stderr.isatty()) as bar:
+        task = bar.add_task("compiling", total=None)
+        result = sweep(
+            space,
+            params,
+            chunk=args.chunk,
+            progress=lambda done, total: bar.update(
+                task, description="sweep", completed=done, total=total
+            ),
+        )
+
+    plot = args.plot
+    if plot is None and args.out:
+        out = Path(args.out)
+        plot = str(out.with_name(f"{out.stem}_pareto.png"))
+    csv_path = str(write_csv(args.out, result)) if args.out else None
+    plot_path = str(plot_pareto(plot, result)) if plot else None
+
+    top = best(result, args.top)
+    front = result_front(result)
+    counts = status_counts(result)
+    low = smallest_memory(result)
+    capacity_gib = float(np.max(result.breakdown.memory_capacity_bytes)) / GiB
+    fits = counts["ok"] > 0
+    if args.json:
+        d = {
+            "model": space.model.name,
+            "cluster": space.cluster.name,
+            "n_gpus": space.n_gpus,
+            "global_batch": space.global_batch,
+            "profile": note,
+            "space_size": len(result.choices),
+            "devices": result.devices,
+            "sweep_s": result.seconds,
+            "compile_s": result.compile_s,
+            "configs_per_s": result.configs_per_s,
+            "status_counts": counts,
+            "fits": fits,
+            "top": [_plan_row(result, int(i)) for i in top],
+            "smallest_memory": None if low is None else _plan_row(result, low),
+            "memory_capacity_gib": capacity_gib,
+            "pareto_size": int(front.size),
+            "csv": csv_path,
+            "plot": plot_path,
+        }
+        print(json.dumps(d, indent=2))
+        return 0
+    _print_report(result, top, front, counts, low, capacity_gib, csv_path, plot_path)
+    return 0
+
+
+def _print_report(result, top, front, counts, low, capacity_gib, csv_path, plot_path) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    space, b = result.space, result.breakdown
+    head = escape(
+        f"{space.model.name} on {space.cluster.name}, {_gpus(space.n_gpus)}, global batch "
+        f"{space.global_batch}"
+    )
+    if top.size:
+        t = Table(title=f"{head}: the {top.size} fastest plans that fit")
+        for col in ("plan", "iteration s", "tokens/s", "MFU %", "peak GiB"):
+            t.add_column(col, justify="left" if col == "plan" else "right")
+        for i in top:
+            t.add_row(
+                result.choices[i].label(space),
+                f"{b.iteration_s[i]:.4g}",
+                f"{b.tokens_per_s[i]:,.0f}",
+                f"{100 * b.mfu[i]:.1f}",
+                f"{b.memory_peak_bytes[i] / GiB:.1f}",
+            )
+        console.print(t)
+    elif counts["ok"] > 0:
+        console.print(f"{head}: {counts['ok']:,} plans fit (--top 0: none listed)")
+    else:
+        lowest = (
+            "no valid plan to compare"
+            if low is None
+            else f"the smallest peak is {b.memory_peak_bytes[low] / GiB:.1f} GiB, reached by "
+            f"{result.choices[low].label(space)}"
+        )
+        console.print(
+            f"[bold red]Nothing fits:[/] none of the {len(result.choices):,} plans of {head} "
+            f"fits in {capacity_gib:.0f} GiB per GPU; {lowest}. Use more GPUs, a smaller "
+            "model or sequence, or GPUs with more memory.",
+            soft_wrap=True,
+        )
+    by_status = ", ".join(f"{v:,} {k}" for k, v in counts.items())
+    files = [f for f in (csv_path, plot_path) if f]
+    console.print(
+        f"{len(result.choices):,} configurations ({by_status}) on {result.devices} device(s) "
+        f"in {result.seconds:.2f} s (compilation {result.compile_s:.2f} s, then "
+        f"{result.configs_per_s:,.0f} configurations/s); "
+        f"Pareto front: {front.size} plans" + (f"; wrote {', '.join(files)}" if files else ""),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
