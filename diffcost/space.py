@@ -15,7 +15,9 @@ microbatch count that is a multiple of pp. ``config.check_plan`` accepts every v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 from typing import NamedTuple
 
@@ -145,19 +147,20 @@ class Space:
     def choices(self) -> list[Choice]:
         """Every valid choice, degrees outermost."""
         out = []
-        for tp, pp, dp, cp in self.degree_tuples():
-            for mb in self.microbatches:
-                if self.global_batch % (dp * mb):
-                    continue
-                n_micro = self.global_batch // (dp * mb)
-                for ep, (sched, v), rec, zero, order in itertools.product(
-                    self.ep_choices(dp),
-                    self.schedules(pp, n_micro),
-                    RECOMPUTE_MODES,
-                    ZERO_STAGES,
-                    range(len(self.orders)),
-                ):
-                    out.append(Choice(tp, pp, dp, cp, ep, mb, sched, v, rec, zero, order))
+        with _gc_paused():
+            for tp, pp, dp, cp in self.degree_tuples():
+                for mb in self.microbatches:
+                    if self.global_batch % (dp * mb):
+                        continue
+                    n_micro = self.global_batch // (dp * mb)
+                    for ep, (sched, v), rec, zero, order in itertools.product(
+                        self.ep_choices(dp),
+                        self.schedules(pp, n_micro),
+                        RECOMPUTE_MODES,
+                        ZERO_STAGES,
+                        range(len(self.orders)),
+                    ):
+                        out.append(Choice(tp, pp, dp, cp, ep, mb, sched, v, rec, zero, order))
         return out
 
     # --- conversions -----------------------------------------------------------------------
@@ -183,14 +186,16 @@ class Space:
     def to_arrays(self, choices: list[Choice]) -> PlanArrays:
         """Batched ``PlanArrays`` (numpy float64 leaves) of ``choices``, in their order."""
         n = len(choices)
-        cols = list(zip(*choices)) if n else [()] * len(Choice._fields)
+        with _gc_paused():
+            cols = list(zip(*choices)) if n else [()] * len(Choice._fields)
         c = dict(zip(Choice._fields, cols))
-        f = lambda key: np.asarray(c[key], dtype=float).reshape(n)  # noqa: E731
+        f = lambda key: np.fromiter(c[key], dtype=float, count=n)  # noqa: E731
+
+        def index(key, menu):
+            return np.fromiter(map({v: i for i, v in enumerate(menu)}.__getitem__, c[key]), int, n)
 
         def one_hot(key, menu):
-            out = np.zeros((n, len(menu)))
-            out[np.arange(n), [menu.index(v) for v in c[key]]] = 1.0
-            return out
+            return np.eye(len(menu))[index(key, menu)]
 
         ranks = np.array([[o.index(d) for d in PLACED_DIMS] for o in self.orders], dtype=float)
         tp = f("tp")
@@ -209,8 +214,21 @@ class Space:
             zero=one_hot("zero", ZERO_STAGES),
             recompute=one_hot("recompute", RECOMPUTE_MODES),
             schedule=one_hot("schedule", SCHEDULES),
-            order=ranks[np.asarray(c["order"], dtype=int).reshape(n)].reshape(n, 4),
+            order=ranks[index("order", range(len(self.orders)))],
         )
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Building ~1e5 small tuples triggers Python's cyclic GC again and again (2-3x slower,
+    and erratic); they hold no cycles, so pause it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def make_space(
