@@ -2,6 +2,7 @@
 
 from diffcost.api import experiment_arrays, load, predict, simulate_jit
 from diffcost.params import Params, default_params
+from diffcost.search import optimize
 from diffcost.simulate import Breakdown, simulate
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "default_params",
     "experiment_arrays",
     "load",
+    "optimize",
     "predict",
     "simulate",
     "simulate_jit",
