@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from diffcost import config as config_mod
-from diffcost.simulate import STATUS_NAMES, Breakdown
+from diffcost.simulate import STATUS_NAMES, Breakdown, time_part
 from diffcost.specs import Experiment
 
 GiB = 2.0**30
@@ -72,7 +72,7 @@ def breakdown_dict(exp: Experiment, b: Breakdown) -> dict:
         "iteration_s": f(b.iteration_s),
         "tokens_per_s": f(b.tokens_per_s),
         "mfu": f(b.mfu),
-        "breakdown": {k: f(getattr(b, k)) for k in Breakdown.TIME_PARTS},
+        "breakdown": {k: f(time_part(b, k)) for k in Breakdown.TIME_PARTS},
         "memory_peak_bytes": f(b.memory_peak_bytes),
         "memory_capacity_bytes": f(b.memory_capacity_bytes),
         "memory_by_stage_bytes": memory,
@@ -302,17 +302,24 @@ def cmd_search(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"top {len(top)} plans found")
-    for col in ("#", "plan", "iteration s", "vs best", "tokens/s", "MFU %", "peak GiB"):
+    t = Table(title=f"top {len(top)} plans found (seconds per iteration)")
+    cols = ("#", "plan", "iteration", "vs best", "compute", "comm", "bubble", "other", "MFU %")
+    for col in (*cols, "peak GiB"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     best_s = top[0]["iteration_s"]
     for i, d in enumerate(top, 1):
+        parts = d["breakdown"]
+        comm = sum(v for k, v in parts.items() if k.endswith("comm_s"))
+        other = parts["optimizer_s"] + parts["overhead_s"]
         t.add_row(
             str(i),
             d["label"],
             f"{d['iteration_s']:.4g}",
             f"+{100 * (d['iteration_s'] / best_s - 1):.2f}%",
-            f"{d['tokens_per_s']:.4g}",
+            f"{parts['compute_s']:.3g}",
+            f"{comm:.3g}",
+            f"{parts['bubble_s']:.3g}",
+            f"{other:.3g}",
             f"{100 * d['mfu']:.1f}",
             f"{d['memory_peak_bytes'] / GiB:.1f}",
         )
@@ -320,7 +327,8 @@ def cmd_search(args) -> int:
     print(
         f"search: {result.seconds:.2f} s (descent {result.descent_s:.2f} s, rounding "
         f"{result.rounding_s:.2f} s, polish {result.polish_s:.2f} s), {result.evaluated} "
-        f"discrete plans evaluated exactly, {result.rounds} polish rounds; constants: {note}"
+        f"discrete plans evaluated exactly, {result.rounds} polish rounds (a first run also "
+        f"compiles); comm = exposed communication, other = optimizer + overhead; constants: {note}"
     )
     return 0
 

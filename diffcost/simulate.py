@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from diffcost import comm, kernels, smooth, workload
@@ -123,6 +124,19 @@ class Breakdown:
         "optimizer_s",
         "overhead_s",
     )
+
+
+def time_part(b: Breakdown, name: str) -> np.ndarray:
+    """A part of ``Breakdown.TIME_PARTS`` as numpy, with float noise set to exactly 0.
+
+    Some parts are differences of larger sums (the bubble is the pipeline time minus its
+    steady-state work): where they are zero in exact arithmetic they come out as a few ulp of
+    the iteration time, of either sign depending on how XLA compiled the program (dtype,
+    device count, batch size). Values within 64 ulp of ``iteration_s`` are reported as 0.
+    """
+    x = np.asarray(getattr(b, name))
+    total = np.abs(np.asarray(b.iteration_s))
+    return np.where(np.abs(x) <= 64.0 * np.finfo(x.dtype).eps * total, 0.0, x).astype(x.dtype)
 
 
 def _overlap(compute, comm_s, kappa, temperature):

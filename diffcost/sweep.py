@@ -59,7 +59,14 @@ from diffcost import smooth
 from diffcost.arrays import GiB, PlanArrays, cluster_arrays, model_arrays
 from diffcost.config import ConfigError
 from diffcost.params import Params
-from diffcost.simulate import STATUS_INVALID, STATUS_NAMES, STATUS_OK, Breakdown, simulate
+from diffcost.simulate import (
+    STATUS_INVALID,
+    STATUS_NAMES,
+    STATUS_OK,
+    Breakdown,
+    simulate,
+    time_part,
+)
 from diffcost.space import Choice, Space, enumerate_plans, load_space
 
 BATCH_AXIS = "batch"
@@ -364,17 +371,6 @@ def _fmt(values) -> list[str]:
     distinct, index = np.unique(values, return_inverse=True)
     text = np.asarray([f"{v:.6g}" for v in distinct.tolist()], dtype=object)
     return text[index.reshape(-1)].tolist()
-
-
-def time_part(b: Breakdown, part: str) -> np.ndarray:
-    """A part of the iteration time, with float noise below 1e-9 of the iteration set to 0.
-
-    Some parts are differences of larger sums (the bubble is the pipeline time minus its
-    steady-state work): where they are zero in exact arithmetic they come out as +-1e-16 s,
-    and which sign depends on how XLA compiled the program (device count, batch size).
-    """
-    x = np.asarray(getattr(b, part))
-    return np.where(np.abs(x) <= 1e-9 * np.abs(b.iteration_s), 0.0, x)
 
 
 def write_csv(path: str | os.PathLike, result: SweepResult) -> Path:

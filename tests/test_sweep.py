@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from diffcost import api, default_params, space, sweep
 from diffcost.arrays import GiB, cluster_arrays, model_arrays, plan_arrays
 from diffcost.config import ConfigError
-from diffcost.simulate import STATUS_NAMES, STATUS_OK, Breakdown
+from diffcost.simulate import STATUS_NAMES, STATUS_OK, Breakdown, time_part
 from diffcost.space import Choice
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -358,4 +358,4 @@ def test_sharded_equals_unsharded(sharded_runs, small):
         assert sweep._fmt(d4[key]) == sweep._fmt(getattr(d1, key)), key
     b4 = Breakdown(**{k: d4[k] for k in d4.files})
     for key in Breakdown.TIME_PARTS:
-        assert sweep._fmt(sweep.time_part(b4, key)) == sweep._fmt(sweep.time_part(d1, key)), key
+        assert sweep._fmt(time_part(b4, key)) == sweep._fmt(time_part(d1, key)), key
