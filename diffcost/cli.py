@@ -234,13 +234,12 @@ def _plan_experiment(space, choice) -> Experiment:
 
 
 def cmd_search(args) -> int:
+    from calibration.profile import params_for
     from diffcost import api
     from diffcost import search as search_mod
     from diffcost.space import load_space
 
     space = load_space(args.model, args.cluster, args.gpus, args.global_batch, args.seq)
-    from calibration.profile import params_for
-
     if args.top < 1:
         raise config_mod.ConfigError(f"--top {args.top}: must be at least 1")
     params, note = params_for(space.cluster, args.profile)
@@ -249,7 +248,7 @@ def cmd_search(args) -> int:
         print(f"constants: {note}", file=sys.stderr)
         print(
             f"searching {args.starts} relaxed starts x {args.steps} steps "
-            "(the first run compiles for up to a minute; later runs reuse the cache)...",
+            "(a first run compiles for a minute or two; later runs reuse the disk cache)...",
             file=sys.stderr,
         )
     result = search_mod.search(space, params, args.top, cfg)
