@@ -96,8 +96,9 @@ class Space:
     overlap_tp: bool = False
 
     # --- the rules -----------------------------------------------------------------------
-    def degree_tuples(self) -> list[tuple[int, int, int, int]]:
-        """(tp, pp, dp, cp) with ``tp*pp*dp*cp == n_gpus`` that pass the structural checks."""
+    def structural_splits(self) -> list[tuple[int, int, int, int]]:
+        """(tp, pp, dp, cp) with ``tp*pp*dp*cp == n_gpus``: tp divides heads and kv_heads, pp
+        the layers, and cp <= max_cp splits the sequence (the global batch not consulted)."""
         m, n = self.model, self.n_gpus
         out = []
         for tp in _divisors(n):
@@ -109,10 +110,16 @@ class Space:
                 for cp in _divisors(n // (tp * pp)):
                     if cp > self.max_cp or (cp > 1 and m.seq_len % (2 * cp)):
                         continue
-                    dp = n // (tp * pp * cp)
-                    if any(self.global_batch % (dp * mb) == 0 for mb in self.microbatches):
-                        out.append((tp, pp, dp, cp))
+                    out.append((tp, pp, n // (tp * pp * cp), cp))
         return out
+
+    def degree_tuples(self) -> list[tuple[int, int, int, int]]:
+        """The structural splits whose dp times some microbatch size divides the global batch."""
+        return [
+            (tp, pp, dp, cp)
+            for tp, pp, dp, cp in self.structural_splits()
+            if any(self.global_batch % (dp * mb) == 0 for mb in self.microbatches)
+        ]
 
     def ep_choices(self, dp: int) -> list[int]:
         experts = self.model.moe.experts if self.model.moe else 1
@@ -259,16 +266,7 @@ def make_space(
 
 def _why_empty(space: Space) -> str:
     m, n, gb = space.model, space.n_gpus, space.global_batch
-    dps = set()
-    for tp in _divisors(n):
-        if m.heads % tp or m.kv_heads % tp:
-            continue
-        for pp in _divisors(n // tp):
-            if m.n_layers % pp:
-                continue
-            for cp in _divisors(n // (tp * pp)):
-                if cp <= space.max_cp and (cp == 1 or m.seq_len % (2 * cp) == 0):
-                    dps.add(n // (tp * pp * cp))
+    dps = {dp for _, _, dp, _ in space.structural_splits()}
     return (
         f"no valid plan for {m.name} on gpus={n} with global_batch={gb}: the splits "
         f"tp*pp*cp*dp = {n} allowed by heads={m.heads}, kv_heads={m.kv_heads}, "
