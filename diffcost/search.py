@@ -46,6 +46,7 @@ from diffcost.params import Params
 from diffcost.simulate import STATUS_OK, simulate
 from diffcost.space import Choice, Space
 from diffcost.specs import PLACED_DIMS, RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES
+from diffcost.sweep import evaluate as evaluate_plans
 
 _TP, _CP, _DP, _PP = range(4)  # index of each degree in the share vector (PLACED_DIMS order)
 assert PLACED_DIMS == ("tp", "cp", "dp", "pp")
@@ -296,24 +297,15 @@ descend = fast_compile_jit(_descend, static_argnames=("steps", "lr", "taus", "we
 # ------------------------------------------------------------------------------------------
 
 
-@jax.jit
-def _evaluate_batch(model, plans, cluster, params):
-    out = jax.vmap(lambda p: simulate(model, p, cluster, params))(plans)
-    return out.iteration_s, out.memory_peak_bytes, out.status
-
-
 class Evaluator:
-    """Exact, cached evaluation of discrete plans, batched and padded to a few bucket sizes."""
+    """Exact, cached evaluation of discrete plans: ``sweep.evaluate`` on batches padded to a
+    few bucket sizes (so a search compiles at most one program per bucket)."""
 
     BUCKETS = (64, 256, 1024, 4096)
 
     def __init__(self, space: Space, params: Params):
         self.space = space
-        dtype = jnp.result_type(float)
-        self.model = jax.tree_util.tree_map(jnp.asarray, model_arrays(space.model, dtype))
-        self.cluster = jax.tree_util.tree_map(jnp.asarray, cluster_arrays(space.cluster, dtype))
         self.params = params
-        self.dtype = dtype
         self.cache: dict[Choice, Candidate] = {}
 
     def __call__(self, choices) -> list[Candidate]:
@@ -323,13 +315,14 @@ class Evaluator:
             part = todo[i : i + big]
             size = next(b for b in self.BUCKETS if b >= len(part))
             padded = part + [part[-1]] * (size - len(part))
-            arrays = self.space.to_arrays(padded)
-            arrays = jax.tree_util.tree_map(lambda x: jnp.asarray(x, self.dtype), arrays)
-            t, mem, status = jax.device_get(
-                _evaluate_batch(self.model, arrays, self.cluster, self.params)
-            )
+            out = evaluate_plans(self.space, self.space.to_arrays(padded), self.params, chunk=size)
             for j, c in enumerate(part):
-                self.cache[c] = Candidate(c, float(t[j]), float(mem[j]), int(status[j]))
+                self.cache[c] = Candidate(
+                    c,
+                    float(out.iteration_s[j]),
+                    float(out.memory_peak_bytes[j]),
+                    int(out.status[j]),
+                )
         return [self.cache[c] for c in choices]
 
 
@@ -484,12 +477,14 @@ def search(space: Space, params: Params, top: int = 5, cfg: SearchConfig | None 
     dtype = jnp.result_type(float)
     bounds = bounds_for(space, dtype)
     evaluate = Evaluator(space, params)
+    model = jax.tree_util.tree_map(jnp.asarray, model_arrays(space.model, dtype))
+    cluster = jax.tree_util.tree_map(jnp.asarray, cluster_arrays(space.cluster, dtype))
     starts = random_starts(jax.random.PRNGKey(cfg.seed), cfg.starts, len(space.orders), dtype)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 step count in
         relaxed, _ = descend(
             starts,
-            evaluate.model,
-            evaluate.cluster,
+            model,
+            cluster,
             params,
             jax.tree_util.tree_map(jnp.asarray, bounds),
             steps=cfg.steps,
