@@ -2,7 +2,8 @@
 
 Two layers:
 
-* **device** constants (kernel efficiencies, launch gap): one set per GPU family, shared by
+* **device** constants (kernel efficiencies, launch gap, the rate at which a reducing
+  collective passes over its buffer on the GPU): one set per GPU family, shared by
   every cluster with that GPU (``calibration/profiles/device-<family>.yaml``);
 * **cluster** constants (link efficiencies and latencies, small-message curve, host dispatch,
   interference, optimizer traffic, per-iteration overhead): one set per cluster
@@ -44,11 +45,19 @@ FIELDS = {
     "nic_latency_scale": ("nic_latency_log_scale", "log"),
     "half_bw_bytes": ("half_bw_log_bytes", "log"),
     "collective_overhead_s": ("collective_overhead_log_s", "log"),
+    "reduce_Bps": ("reduce_log_Bps", "log"),
     "interference": ("interference_log", "log"),
     "optimizer_bytes_per_param": ("optimizer_log_bytes_per_param", "log"),
     "iteration_overhead_s": ("iteration_overhead_log_s", "log"),
 }
-DEVICE_FIELDS = ("gemm_eff", "gemm_dim_half", "attn_eff", "mem_eff", "kernel_overhead_s")
+DEVICE_FIELDS = (
+    "gemm_eff",
+    "gemm_dim_half",
+    "attn_eff",
+    "mem_eff",
+    "kernel_overhead_s",
+    "reduce_Bps",
+)
 CLUSTER_FIELDS = tuple(f for f in FIELDS if f not in DEVICE_FIELDS)
 
 

@@ -23,6 +23,7 @@ from diffcost.specs import (
     ModelSpec,
     PlanSpec,
 )
+from diffcost.topology import ring_share
 
 GiB = 2.0**30
 ACT_BYTES = 2.0  # activations and 16-bit weights are bf16/fp16 even when GEMMs run in fp8/fp4
@@ -62,7 +63,7 @@ class ClusterArrays:
     nic_Bps: jax.Array  # per GPU share of the node's NICs, one direction
     nic_latency_s: jax.Array
     oversubscription: jax.Array
-    mesh: jax.Array  # 1: point-to-point links inside a node, 0: a switch
+    ring_share: jax.Array  # [RING_TABLE] NVLink share of a ring over n GPUs of a node
 
 
 @struct.dataclass
@@ -149,7 +150,7 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
         nic_Bps=f(nic_per_gpu),
         nic_latency_s=f(cluster.nic_latency_us * 1e-6),
         oversubscription=f(cluster.oversubscription),
-        mesh=f(1.0 if cluster.intra_node == "mesh" else 0.0),
+        ring_share=f(ring_share(cluster.intra_node, cluster.gpus_per_node)),
     )
 
 

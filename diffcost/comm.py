@@ -76,13 +76,14 @@ def place(degree, stride, gpus_per_node) -> Placement:
 def _links(cluster: ClusterArrays, params: Params, per_node=None):
     """Effective per-direction bandwidths and latencies of the two link levels.
 
-    On a point-to-point mesh a group with ``per_node`` GPUs in a node reaches only its peers'
-    links: ``(per_node - 1) / (gpus_per_node - 1)`` of the GPU's NVLink bandwidth.
+    A ring over ``per_node`` GPUs of a node uses ``cluster.ring_share`` of the GPU's NVLink
+    bandwidth (1 behind a switch, less on a point-to-point mesh: ``diffcost.topology``),
+    interpolated piecewise linearly in ``per_node``.
     """
     nvl_Bps = cluster.nvlink_Bps * params.nvlink_eff
     if per_node is not None:
-        peers = jnp.maximum(per_node - 1.0, 1.0) / jnp.maximum(cluster.gpus_per_node - 1.0, 1.0)
-        nvl_Bps = nvl_Bps * (1.0 - cluster.mesh + cluster.mesh * peers)
+        sizes = jnp.arange(cluster.ring_share.shape[-1], dtype=cluster.ring_share.dtype)
+        nvl_Bps = nvl_Bps * jnp.interp(per_node, sizes, cluster.ring_share)
     nic_Bps = cluster.nic_Bps * params.nic_eff / cluster.oversubscription
     nvl_lat = cluster.nvlink_latency_s * params.nvlink_latency_scale
     nic_lat = cluster.nic_latency_s * params.nic_latency_scale
@@ -106,15 +107,17 @@ def all_reduce_s(msg_bytes, group: Placement, cluster, params, temperature):
     local rank's NIC share, all-gather inside the node. Ring: one ring over all ranks whose
     inter-node hops share ``k`` NIC shares. Tree: double binary tree, ``2 log2 n`` latency.
     """
-    return _collective_s(msg_bytes, group, cluster, params, temperature, factor=2.0, tree=True)
+    return _collective_s(msg_bytes, group, cluster, params, temperature, 2.0, True, True)
 
 
 def reduce_scatter_s(msg_bytes, group, cluster, params, temperature):
-    """Reduce-scatter (or all-gather) of a ``msg_bytes`` buffer: half an all-reduce's traffic."""
-    return _collective_s(msg_bytes, group, cluster, params, temperature, factor=1.0)
+    """Reduce-scatter of a ``msg_bytes`` buffer: half an all-reduce's traffic and reduction."""
+    return _collective_s(msg_bytes, group, cluster, params, temperature, 1.0, reduce=True)
 
 
-all_gather_s = reduce_scatter_s
+def all_gather_s(msg_bytes, group, cluster, params, temperature):
+    """All-gather into a ``msg_bytes`` buffer: a reduce-scatter's traffic, nothing to reduce."""
+    return _collective_s(msg_bytes, group, cluster, params, temperature, 1.0)
 
 
 def _log2_ratio(n):
@@ -125,11 +128,18 @@ def _log2_ratio(n):
     return jnp.where(ok, jnp.log2(jnp.where(ok, n, 2.0)) / safe, (1.0 - 0.5 * d) / jnp.log(2.0))
 
 
-def _collective_s(msg_bytes, group: Placement, cluster, params, temperature, factor, tree=False):
+def _collective_s(
+    msg_bytes, group: Placement, cluster, params, temperature, factor, tree=False, reduce=False
+):
     """Every algorithm costs ``(n - 1) * rate``; NCCL's choice is a smooth min of the rates.
 
     Factoring out ``n - 1`` makes a one-rank group cost exactly zero and gives the gradient at
     ``n = 1`` as the derivative from the feasible side (``n >= 1``).
+
+    A reducing collective also pays ``factor / 2 * msg_bytes / reduce_Bps``: the GPU's pass
+    over the whole buffer to reduce and copy it, whatever the group size. Without it bus
+    bandwidth would not depend on the group size; measured, it grows with it (A100 NVSwitch:
+    193 GB/s on 2 GPUs, 229 on 8, as ``1 / busbw = 1 / B + n / (2 (n - 1)) / reduce_Bps``).
     """
     nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params, group.per_node)
     n, k = group.size, group.per_node
@@ -161,6 +171,8 @@ def _collective_s(msg_bytes, group: Placement, cluster, params, temperature, fac
         )
     rates = jnp.stack(algorithms, axis=-1)
     best = (n - 1.0) * smooth.smooth_min(rates, axis=-1, temperature=temperature)
+    if reduce:
+        best = best + jnp.minimum(n - 1.0, 1.0) * factor / 2.0 * msg_bytes / params.reduce_Bps
     return best + _call_overhead(msg_bytes, n, params)
 
 

@@ -63,6 +63,7 @@ _PARAM_LABELS = {
     "nic_latency_log_scale": ("NIC latency scale", "x", 1.0),
     "half_bw_log_bytes": ("half-bandwidth message", "MiB", 2.0**-20),
     "collective_overhead_log_s": ("collective call overhead", "µs", 1e6),
+    "reduce_log_Bps": ("collective reduction pass", "GB/s", 1e-9),
     "interference_log": ("overlap interference", "%", 100.0),
     "optimizer_log_bytes_per_param": ("optimizer bytes per param", "B", 1.0),
     "iteration_overhead_log_s": ("per-iteration overhead", "ms", 1e3),

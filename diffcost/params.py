@@ -40,6 +40,7 @@ class Params:
     nic_latency_log_scale: jax.Array  # multiplier on the cluster's NIC latency
     half_bw_log_bytes: jax.Array  # message size reaching half the link bandwidth
     collective_overhead_log_s: jax.Array  # fixed cost of one collective call (launch, sync)
+    reduce_log_Bps: jax.Array  # rate of a reducing collective's pass over its whole buffer
     interference_log: jax.Array  # slowdown of compute and comm while they overlap
     optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
     iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
@@ -97,6 +98,10 @@ class Params:
         return jnp.exp(self.collective_overhead_log_s)
 
     @property
+    def reduce_Bps(self):
+        return jnp.exp(self.reduce_log_Bps)
+
+    @property
     def interference(self):
         return jnp.exp(self.interference_log)
 
@@ -113,8 +118,9 @@ class Params:
 # throughput (~75-85% of dense peak for bf16 on A100/H100), nccl-tests bus bandwidth on
 # DGX systems (~80% of NVLink per-direction peak), Adam in mixed precision (fp32 master
 # weights, two moments, fp32 gradients, 16-bit copy: ~ 28 B of HBM traffic per parameter);
-# PyTorch eager dispatch costs ~10 us of CPU per op with autograd, so small layers are bound by
-# the host, not the GPU.
+# a reducing collective's pass over its buffer runs on a few SMs at ~1 TB/s (order of
+# magnitude: the A100 all-reduce tables fit ~0.5 TB/s); PyTorch eager dispatch costs ~10 us of
+# CPU per op with autograd, so small layers are bound by the host, not the GPU.
 DEFAULTS = {
     "gemm_eff": {"fp32": 0.80, "bf16": 0.80, "fp16": 0.80, "fp8": 0.65, "fp4": 0.55},
     "gemm_dim_half": 48.0,
@@ -129,6 +135,7 @@ DEFAULTS = {
     "nic_latency_scale": 1.0,
     "half_bw_bytes": 1.0 * 2**20,
     "collective_overhead_s": 10e-6,
+    "reduce_Bps": 1e12,
     "interference": 0.05,
     "optimizer_bytes_per_param": 28.0,
     "iteration_overhead_s": 5e-3,
@@ -153,6 +160,7 @@ def default_params(dtype=None) -> Params:
         nic_latency_log_scale=f(jnp.log(d["nic_latency_scale"])),
         half_bw_log_bytes=f(jnp.log(d["half_bw_bytes"])),
         collective_overhead_log_s=f(jnp.log(d["collective_overhead_s"])),
+        reduce_log_Bps=f(jnp.log(d["reduce_Bps"])),
         interference_log=f(jnp.log(d["interference"])),
         optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
         iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),

@@ -83,9 +83,10 @@ class ClusterSpec:
     nic_latency_us: float
     oversubscription: float = 1.0  # fat-tree: bisection is divided by this
     # "switch": every GPU reaches any other at its full NVLink bandwidth (NVSwitch);
-    # "mesh": point-to-point links to each peer (AMD Infinity Fabric, V100 hybrid cube-mesh),
-    # so a group of k GPUs in a node uses (k - 1) / (gpus_per_node - 1) of it.
-    intra_node: Literal["switch", "mesh"] = "switch"
+    # "mesh": one point-to-point link to each peer (AMD Infinity Fabric), so a group of k GPUs
+    # in a node uses (k - 1) / (gpus_per_node - 1) of it; "cube-mesh": DGX-1's hybrid
+    # cube-mesh of 8 V100 (see ``diffcost.topology``).
+    intra_node: Literal["switch", "mesh", "cube-mesh"] = "switch"
     description: str = ""
 
 

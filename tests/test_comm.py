@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import pytest
 from helpers import CLUSTER
 
-from diffcost import comm
+from diffcost import comm, topology
 from diffcost.arrays import cluster_arrays
+from diffcost.config import load_cluster
 from diffcost.params import default_params
 
 BIG = 2.0**30  # large enough that latency and the small-message term are negligible
@@ -31,21 +32,60 @@ def test_all_reduce_in_one_node_is_the_ring_bound(env):
     c, params = env
     group = comm.place(8.0, 1.0, c.gpus_per_node)
     bw = float(c.nvlink_Bps * params.nvlink_eff)
-    expected = 2 * 7 / 8 * BIG / bw
+    reduce = BIG / float(params.reduce_Bps)  # the GPU's pass over the whole buffer
     got = float(comm.all_reduce_s(BIG, group, c, params, 1e-3))
-    assert got == pytest.approx(expected, rel=REL)
-    # reduce-scatter and all-gather move half the data
+    assert got == pytest.approx(2 * 7 / 8 * BIG / bw + reduce, rel=REL)
+    # reduce-scatter moves and reduces half as much; all-gather moves as much, reduces nothing
     assert float(comm.reduce_scatter_s(BIG, group, c, params, 1e-3)) == pytest.approx(
         got / 2, rel=REL
     )
+    assert float(comm.all_gather_s(BIG, group, c, params, 1e-3)) == pytest.approx(
+        7 / 8 * BIG / bw, rel=REL
+    )
+
+
+def test_bus_bandwidth_grows_with_the_group_behind_a_switch(env):
+    """The reduction pass does not shrink with the group, so bus bandwidth (nccl-tests'
+    ``2 (n - 1) / n * size / time``) grows with n as ``1 / (1 / B + n / (2 (n - 1)) / R)``."""
+    c, params = env
+    bw, rate = float(c.nvlink_Bps * params.nvlink_eff), float(params.reduce_Bps)
+    for n in (2.0, 4.0, 8.0):
+        t = float(comm.all_reduce_s(BIG, comm.place(n, 1.0, c.gpus_per_node), c, params, 1e-3))
+        busbw = 2 * (n - 1) / n * BIG / t
+        assert busbw == pytest.approx(1 / (1 / bw + n / (2 * (n - 1)) / rate), rel=REL)
 
 
 def test_all_reduce_across_nodes_is_bounded_by_nic_shares(env):
     c, params = env
     group = comm.place(4.0, 8.0, c.gpus_per_node)  # one rank per node on 4 nodes
     nic = float(c.nic_Bps * params.nic_eff)
-    expected = 2 * 3 / 4 * BIG / nic
+    expected = 2 * 3 / 4 * BIG / nic + BIG / float(params.reduce_Bps)
     assert float(comm.all_reduce_s(BIG, group, c, params, 1e-3)) == pytest.approx(expected, rel=REL)
+
+
+def test_cube_mesh_rings_follow_the_dgx1_links():
+    """DGX-1's hybrid cube-mesh: directed rings over its first n GPUs, in links. GPUs 0-4 have
+    no Hamiltonian cycle (GPU 4 reaches only GPU 0), so n = 5 takes the weakest GPU's links."""
+    links = topology.ring_links(topology.DGX1_LINKS)
+    assert list(links[2:]) == [1, 2, 4, 2, 2, 4, 6]
+    assert topology.DGX1_LINKS.sum(axis=0).tolist() == [6] * 8  # 6 NVLinks per V100
+    share = topology.ring_share("cube-mesh", 8)
+    assert share[8] == 1.0 and share[2] == pytest.approx(1 / 6)
+    mesh = topology.ring_share("mesh", 8)  # one link per peer
+    assert mesh[2:9] == pytest.approx([k / 7 for k in range(1, 8)])
+    assert list(topology.ring_share("switch", 72)) == [1.0] * topology.RING_TABLE
+
+
+def test_cube_mesh_all_reduce_uses_the_group_rings():
+    v100 = cluster_arrays(load_cluster("generic-v100"), jnp.float64)
+    params = default_params(jnp.float64)
+    bw = float(v100.nvlink_Bps * params.nvlink_eff)
+    rate = float(params.reduce_Bps)
+    for n, rings in ((2, 1), (3, 2), (4, 4), (6, 2), (8, 6)):
+        group = comm.place(float(n), 1.0, v100.gpus_per_node)
+        t = float(comm.all_reduce_s(BIG, group, v100, params, 1e-3))
+        ring = 2 * (n - 1) / n * BIG / (bw * rings / 6)
+        assert t == pytest.approx(ring + BIG / rate, rel=REL), n
 
 
 def test_spanning_nodes_takes_the_faster_algorithm(env):
@@ -59,7 +99,7 @@ def test_spanning_nodes_takes_the_faster_algorithm(env):
     ring = 2 * 63 / 64 * BIG / min(nvl, 8 * nic) + 2 * 63 * float(c.nic_latency_s)
     hier = 2 * 7 / 8 * BIG / nvl + 2 * 7 / 8 * (BIG / 8) / nic
     assert ring < hier
-    assert t == pytest.approx(ring, rel=REL)
+    assert t == pytest.approx(ring + BIG / float(params.reduce_Bps), rel=REL)
 
 
 def test_small_messages_are_latency_bound_and_monotone(env):

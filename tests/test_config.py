@@ -463,6 +463,12 @@ def test_cluster_value_errors(tmp_path):
          r"gpu\.hbm_bandwidth_GBps='1e3' is invalid: .*YAML reads 1e3 as text.*1\.0e\+3"),
         ("gpu: {peak_tflops: {bf16: fast}}\n", r"gpu\.peak_tflops\.bf16='fast' is invalid"),
         ("gpus_per_node: 7.5\n", r"gpus_per_node=7\.5 is invalid: expected a positive integer"),
+        ("intra_node: torus\n",
+         r"intra_node='torus' is invalid: expected one of 'switch', 'mesh', 'cube-mesh'"),
+        ("intra_node: cube-mesh\ngpus_per_node: 4\n",
+         r"gpus_per_node=4 does not fit intra_node='cube-mesh': DGX-1's hybrid cube-mesh has 8"),
+        ("intra_node: mesh\ngpus_per_node: 32\n",
+         r"gpus_per_node=32 is too many for intra_node='mesh': expected at most 16"),
     ]  # fmt: skip
     for text, pattern in cases:
         path = write(tmp_path / "c.yaml", "base: dgx-h100\n" + text)
