@@ -268,23 +268,6 @@ class Predictor:
         return np.concatenate(out) if out else np.zeros(0)
 
 
-def make_fit_step(problem: F.Problem, cfg: F.FitConfig):
-    """The optimizer step exactly as ``calibration.fit.fit`` builds it (same closure, so the
-    persistent cache serves the executable ``fit`` compiled); returns (step, optimizer)."""
-    import optax
-
-    loss_fn = F.make_loss(problem, cfg)
-    opt = optax.adam(optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05))
-
-    @jax.jit
-    def step(tables, state, data):
-        loss, grads = jax.value_and_grad(loss_fn)(tables, data)
-        updates, state = opt.update(grads, state, tables)
-        return optax.apply_updates(tables, updates), state, loss
-
-    return step, opt
-
-
 def run_fit(problem, meas_train, weights, cfg, e2e_log_meas=None):
     """``calibration.fit.fit`` on ``problem`` with per-row weights; (result, tables, wall s)."""
     prob = weighted(problem, weights, e2e_log_meas)
@@ -378,7 +361,7 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, h: float = 3
     """Quick variant: central differences of the float32 gradient read back from the Adam
     first moment of one ``fit`` step from a fresh state (``mu = (1 - b1) g``); reuses the
     executable ``fit`` compiled, so no new compile. Returns (H, seconds)."""
-    step, opt = make_fit_step(problem_w, cfg)
+    step, opt = F.make_step(problem_w, cfg)
     tables = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), tables)
     flat, unravel = ravel_pytree(tables)
     st0 = opt.init(tables)
@@ -640,7 +623,7 @@ def measure(args) -> dict:
     comp = _compile_seconds(t0, t1)
     compile_s = _compile_total(t0, t1)
     # Per-step time of the very step ``fit`` compiled (same closure, persistent-cache hit).
-    step, opt = make_fit_step(weighted(P_a, ones_a), cfg)
+    step, opt = F.make_step(weighted(P_a, ones_a), cfg)
     tabs = F.initial_tables(P_a)
     state = opt.init(tabs)
     data_a = weighted(P_a, ones_a).data
@@ -1157,7 +1140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 40 steps, 2 of 5 folds")
     ap.add_argument("--plots", default=str(RESULTS), help="directory for the PNG plots")
     ap.add_argument("--data", default=str(DATA), help="shared data directory")
-    ap.add_argument("--steps", type=int, default=None, help="FitConfig.steps (default 1500)")
+    steps_help = f"FitConfig.steps (default {F.FitConfig().steps})"
+    ap.add_argument("--steps", type=int, default=None, help=steps_help)
     ap.add_argument("--folds", type=int, default=None, help="CV folds to run (of 5)")
     ap.add_argument("--out", default=str(RESULTS / "calibration_cv.json"), help="results JSON")
     ap.add_argument("--prior-weight", type=float, default=None, help="FitConfig.prior_weight")

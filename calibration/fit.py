@@ -29,6 +29,7 @@ from calibration.profile import CLUSTER_FIELDS, DEVICE_FIELDS, FIELDS, gpu_famil
 from calibration.readers import Measurements
 from diffcost import comm, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
+from diffcost.cache import fast_compile_jit
 from diffcost.config import load_cluster
 from diffcost.params import Params, default_params
 from diffcost.simulate import simulate
@@ -262,6 +263,21 @@ def make_loss(problem: Problem, cfg: FitConfig, dtype=None) -> Callable:
     return loss_fn
 
 
+def make_step(problem: Problem, cfg: FitConfig):
+    """(step, optimizer): one jit-compiled Adam step ``(tables, state, data) -> (tables, state,
+    loss)`` on ``problem``'s loss, compiled with ``diffcost.cache.FAST_CPU_COMPILE`` on the CPU
+    (the vmapped simulator's gradient compiles in about half the time, and runs no slower)."""
+    loss_fn = make_loss(problem, cfg)
+    opt = optax.adam(optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05))
+
+    def step(tables, state, data):
+        loss, grads = jax.value_and_grad(loss_fn)(tables, data)
+        updates, state = opt.update(grads, state, tables)
+        return optax.apply_updates(tables, updates), state, loss
+
+    return fast_compile_jit(step), opt
+
+
 def fit(
     meas: Measurements,
     cfg: FitConfig = FitConfig(),
@@ -278,18 +294,9 @@ def _fit(meas, cfg, progress, problem) -> FitResult:
     problem = build_problem(meas) if problem is None else problem
     if not problem.data:
         raise ValueError("no usable measurements: nothing maps to a known cluster or GPU family")
-    loss_fn = make_loss(problem, cfg)
     tables = initial_tables(problem)
-    schedule = optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05)
-    opt = optax.adam(schedule)
+    step, opt = make_step(problem, cfg)
     state = opt.init(tables)
-
-    @jax.jit
-    def step(tables, state, data):
-        loss, grads = jax.value_and_grad(loss_fn)(tables, data)
-        updates, state = opt.update(grads, state, tables)
-        return optax.apply_updates(tables, updates), state, loss
-
     losses: list[float] = []
     t0 = time.perf_counter()
     bar = _progress(cfg.steps) if progress else None
