@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from calibration.profile import CLUSTER_FIELDS, DEVICE_FIELDS, FIELDS, gpu_family, to_values
-from calibration.readers import Measurements
+from calibration.readers import FAMILY_CLUSTER, Measurements
 from diffcost import comm, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
@@ -37,16 +37,6 @@ from diffcost.specs import PRECISIONS
 
 FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-# A cluster preset whose GPU facts stand for a GPU family in kernel-only measurements.
-FAMILY_CLUSTER = {
-    "h100": "generic-h100",
-    "b200": "generic-b200",
-    "mi350": "generic-mi350",
-    "a100": "generic-a100-80g",
-    "v100": "generic-v100",
-    "gb200": "generic-gb200-nvl72",
-    "gb300": "generic-gb300-nvl72",
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -241,6 +241,32 @@ def gpu_family(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.split("(")[0].lower()).strip("-")
 
 
+# A cluster preset whose GPU facts stand for a GPU family in kernel-only measurements.
+FAMILY_CLUSTER = {
+    "h100": "generic-h100",
+    "b200": "generic-b200",
+    "mi350": "generic-mi350",
+    "a100": "generic-a100-80g",
+    "v100": "generic-v100",
+    "gb200": "generic-gb200-nvl72",
+    "gb300": "generic-gb300-nvl72",
+}
+_PEAKS: dict[str, dict[str, float]] = {}
+
+
+def family_peak_flops(family: str, precision: str) -> float | None:
+    """Dense datasheet FLOP/s of a GPU family at ``precision`` (its ``FAMILY_CLUSTER``
+    preset), or None when the family or precision is unknown."""
+    if family not in FAMILY_CLUSTER:
+        return None
+    if family not in _PEAKS:
+        from diffcost import config as config_mod
+
+        _PEAKS[family] = config_mod.load_cluster(FAMILY_CLUSTER[family]).gpu.peak_tflops
+    tflops = _PEAKS[family].get(precision)
+    return tflops * 1e12 if tflops else None
+
+
 _PRESET_FAMILY: dict[str, str | None] = {}
 
 
@@ -802,7 +828,10 @@ def read_gemm_csv(path) -> Measurements:
 
     ``time_s = 2*batch*m*n*k / flops_per_s`` (``time_us`` where ``flops_per_s`` is blank).
     FP8 inputs (e4m3 and e5m2, in any mix) give precision ``"fp8"``; FP8 rows are kept only
-    with bf16 or f32 output. Unmappable type combinations are skipped with the reason.
+    with bf16 or f32 output. Unmappable type combinations are skipped with the reason, and so
+    are rows faster than the GPU family's dense datasheet peak at that precision (the XLA H100
+    table has 87 FP8 rows up to 2,620 TFLOP/s against a 1,979 peak: whatever ran, it was not
+    what the row says, and fitting it would push the FP8 efficiency past 1).
     """
     table = _Csv(path, GEMM_REQUIRED, "GEMM")
     out = Measurements()
@@ -832,9 +861,18 @@ def read_gemm_csv(path) -> Measurements:
         else:
             out.skipped.append((where, "no positive flops_per_s or time_us"))
             continue
+        family = gpu_family(row["gpu"])
+        peak = family_peak_flops(family, prec)
+        rate = 2.0 * batch * m * n * k / time_s
+        # fp32 is left alone: XLA runs it on TF32 tensor cores, above the presets' vector peak
+        if prec != "fp32" and peak is not None and rate > peak:
+            out.skipped.append(
+                (where, f"{prec} GEMM faster than the {family} dense peak: not a dense GEMM")
+            )
+            continue
         out.gemms.append(
             GemmRecord(
-                gpu=gpu_family(row["gpu"]),
+                gpu=family,
                 batch=batch,
                 m=m,
                 n=n,
