@@ -107,7 +107,9 @@ def all_reduce_s(msg_bytes, group: Placement, cluster, params, temperature):
     local rank's NIC share, all-gather inside the node. Ring: one ring over all ranks whose
     inter-node hops share ``k`` NIC shares. Tree: double binary tree, ``2 log2 n`` latency.
     """
-    return _collective_s(msg_bytes, group, cluster, params, temperature, 2.0, True, True)
+    return _collective_s(
+        msg_bytes, group, cluster, params, temperature, factor=2.0, tree=True, reduce=True
+    )
 
 
 def reduce_scatter_s(msg_bytes, group, cluster, params, temperature):
