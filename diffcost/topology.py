@@ -86,7 +86,7 @@ def _max_packing(links: np.ndarray, cycles: list[tuple]) -> int:
 
 
 def ring_links(links: np.ndarray) -> np.ndarray:
-    """Directed rings (in links of bandwidth) over the first ``n`` GPUs, for every ``n``."""
+    """Directed rings (in links of bandwidth) over the first ``n`` GPUs, for ``n = 0..len``."""
     out = np.zeros(len(links) + 1)
     for n in range(2, len(links) + 1):
         sub = links[:n, :n]
@@ -95,7 +95,7 @@ def ring_links(links: np.ndarray) -> np.ndarray:
             continue
         cycles = _hamiltonian_cycles(sub)
         out[n] = 2 * _max_packing(sub, cycles) if cycles else sub.sum(axis=1).min()
-    out[1] = out[2]  # a lone GPU moves nothing; its entry only keeps the curve flat
+    out[:2] = out[2]  # zero or one GPU moves nothing; their entries only keep the curve flat
     return out
 
 
@@ -116,6 +116,5 @@ def ring_share(intra_node: str, gpus_per_node: int) -> np.ndarray:
         share = np.array(_cube_mesh_share())
         out = np.full(RING_TABLE, share[-1])
         out[: len(share)] = share
-        out[0] = share[1]
         return out
     raise ValueError(f"intra_node={intra_node!r}: expected one of {', '.join(TOPOLOGIES)}")
