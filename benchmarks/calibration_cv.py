@@ -367,7 +367,7 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, h: float = 3
     st0 = opt.init(tables)
 
     def grad(x):
-        _, st, _ = step(unravel(x), st0, problem_w.data)
+        _, st, _, _ = step(unravel(x), st0, problem_w.data)
         return np.asarray(ravel_pytree(st[0].mu)[0], float) / (1.0 - 0.9)
 
     n = flat.shape[0]
@@ -628,13 +628,13 @@ def measure(args) -> dict:
     state = opt.init(tabs)
     data_a = weighted(P_a, ones_a).data
     ts = time.perf_counter()
-    tabs, state, lo = step(tabs, state, data_a)
+    tabs, state, lo, _ = step(tabs, state, data_a)
     jax.block_until_ready(lo)
     first_call = time.perf_counter() - ts
     reps = 10 if args.quick else 20
     ts = time.perf_counter()
     for _ in range(reps):
-        tabs, state, lo = step(tabs, state, data_a)
+        tabs, state, lo, _ = step(tabs, state, data_a)
     jax.block_until_ready(lo)
     ms_step = (time.perf_counter() - ts) / reps * 1e3
     fit_info = {

@@ -77,13 +77,11 @@ def run(args) -> int:
         return 2
     cfg = fit_mod.FitConfig(steps=args.steps)
     problem = fit_mod.build_problem(meas)
-    dev0, clu0 = fit_mod.initial_tables(problem)
-    before = fit_mod.predict_log(dev0, clu0, problem.data, cfg.temperature)
     result = fit_mod.fit(meas, cfg, progress=not args.json, problem=problem)
     paths = write_result(result, args.cluster, [str(p) for p in args.data], args.out)
     rows = {}
     for level, resid in result.residuals.items():
-        pre = np.asarray(before[level] - problem.data[level]["log_meas"])
+        pre = result.initial_residuals[level]
         rows[level] = {
             "rows": int(resid.size),
             "mape_before_pct": _mape(pre),

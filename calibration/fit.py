@@ -61,6 +61,7 @@ class FitResult:
     seconds: float
     converged: bool
     residuals: dict[str, np.ndarray]  # level -> log(pred / meas) at the end
+    initial_residuals: dict[str, np.ndarray]  # the same at the datasheet defaults
 
 
 def _leaves(fields):
@@ -231,7 +232,9 @@ def initial_tables(problem: Problem, dtype=None):
     return dev, clu
 
 
-def make_loss(problem: Problem, cfg: FitConfig, dtype=None) -> Callable:
+def make_loss(problem: Problem, cfg: FitConfig, dtype=None, with_logs: bool = False) -> Callable:
+    """``loss(tables, data)``: the weighted Huber loss of every level plus the prior; with
+    ``with_logs`` it returns ``(loss, {level: log predicted time})``."""
     dev0, clu0 = initial_tables(problem, dtype)
     level_w = dict(zip(("e2e", "coll", "gemm"), cfg.weights))
 
@@ -248,22 +251,24 @@ def make_loss(problem: Problem, cfg: FitConfig, dtype=None) -> Callable:
         prior = sum(jnp.sum(jnp.square(dev[k] - dev0[k])) for k in dev) + sum(
             jnp.sum(jnp.square(clu[k] - clu0[k])) for k in clu
         )
-        return total + cfg.prior_weight * prior
+        loss = total + cfg.prior_weight * prior
+        return (loss, logs) if with_logs else loss
 
     return loss_fn
 
 
 def make_step(problem: Problem, cfg: FitConfig):
     """(step, optimizer): one jit-compiled Adam step ``(tables, state, data) -> (tables, state,
-    loss)`` on ``problem``'s loss, compiled with ``diffcost.cache.FAST_CPU_COMPILE`` on the CPU
-    (the vmapped simulator's gradient compiles in about half the time, and runs no slower)."""
-    loss_fn = make_loss(problem, cfg)
+    loss, logs)`` on ``problem``'s loss, where ``logs`` are the log predicted times per level at
+    the tables passed in. Compiled with ``diffcost.cache.FAST_CPU_COMPILE`` on the CPU (the
+    vmapped simulator's gradient compiles in about half the time, and runs no slower)."""
+    loss_fn = make_loss(problem, cfg, with_logs=True)
     opt = optax.adam(optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05))
 
     def step(tables, state, data):
-        loss, grads = jax.value_and_grad(loss_fn)(tables, data)
+        (loss, logs), grads = jax.value_and_grad(loss_fn, has_aux=True)(tables, data)
         updates, state = opt.update(grads, state, tables)
-        return optax.apply_updates(tables, updates), state, loss
+        return optax.apply_updates(tables, updates), state, loss, logs
 
     return fast_compile_jit(step), opt
 
@@ -291,8 +296,11 @@ def _fit(meas, cfg, progress, problem) -> FitResult:
     t0 = time.perf_counter()
     bar = _progress(cfg.steps) if progress else None
     converged = False
+    initial_logs = None
     for i in range(cfg.steps):
-        tables, state, loss = step(tables, state, problem.data)
+        tables, state, loss, logs = step(tables, state, problem.data)
+        if initial_logs is None:
+            initial_logs = logs
         losses.append(float(loss))
         if bar is not None and (i % 10 == 0 or i == cfg.steps - 1):
             bar.update(i + 1, losses[-1])
@@ -301,10 +309,16 @@ def _fit(meas, cfg, progress, problem) -> FitResult:
             break
     if bar is not None:
         bar.close()
+    # One more call of the compiled step gives the predictions at the final tables (its update
+    # is dropped): an eager ``predict_log`` would dispatch the vmapped simulator op by op.
+    _, _, _, logs = step(tables, state, problem.data)
     seconds = time.perf_counter() - t0
     dev, clu = tables
-    logs = predict_log(dev, clu, problem.data, cfg.temperature)
-    residuals = {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in logs.items()}
+
+    def resid(level_logs):
+        return {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in level_logs.items()}
+
+    residuals = resid(logs)
     p0 = default_params()
     device_values, cluster_values, by_cluster = {}, {}, {}
     for i, fam in enumerate(problem.families):
@@ -325,6 +339,7 @@ def _fit(meas, cfg, progress, problem) -> FitResult:
         seconds,
         converged,
         residuals,
+        resid(initial_logs if initial_logs is not None else logs),
     )
 
 

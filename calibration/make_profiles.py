@@ -14,8 +14,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from calibration import command
 from calibration import fit as fit_mod
 from calibration.readers import load
@@ -45,11 +43,9 @@ def main(argv=None) -> int:
     meas = load(files)
     cfg = fit_mod.FitConfig(steps=args.steps)
     problem = fit_mod.build_problem(meas)
-    dev0, clu0 = fit_mod.initial_tables(problem)
-    before = fit_mod.predict_log(dev0, clu0, problem.data, cfg.temperature)
     result = fit_mod.fit(meas, cfg, progress=sys.stderr.isatty(), problem=problem)
     for level, resid in result.residuals.items():
-        pre = np.asarray(before[level] - problem.data[level]["log_meas"])
+        pre = result.initial_residuals[level]
         print(
             f"{level:5s} rows {resid.size:6d}  MAPE before {command._mape(pre):6.1f}%  "
             f"after {command._mape(resid):6.1f}%"

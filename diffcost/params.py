@@ -143,8 +143,13 @@ DEFAULTS = {
 
 
 def default_params(dtype=None) -> Params:
-    """Params at their datasheet defaults (``dtype`` defaults to JAX's default float)."""
+    """Params at their datasheet defaults (``dtype`` defaults to JAX's default float).
+
+    Leaves are strongly typed: a weakly typed leaf would turn strong after one optimizer step,
+    and a jit-compiled step would then compile a second time.
+    """
     d = DEFAULTS
+    dtype = jnp.result_type(float) if dtype is None else dtype
     f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
     return Params(
         gemm_eff_logit=f(_logit(jnp.array([d["gemm_eff"][p] for p in PRECISIONS]))),

@@ -63,6 +63,29 @@ def test_fit_recovers_known_constants():
     assert result.losses[-1] < result.losses[0]
 
 
+def test_fit_step_compiles_once_and_reports_initial_residuals():
+    meas = _synthetic_collectives()
+    problem = fit_mod.build_problem(meas)
+    cfg = fit_mod.FitConfig(steps=3, tol=-1.0)
+    step, opt = fit_mod.make_step(problem, cfg)
+    tables = fit_mod.initial_tables(problem)
+    state = opt.init(tables)
+    with jax.numpy_dtype_promotion("standard"):
+        for _ in range(3):
+            tables, state, _, logs = step(tables, state, problem.data)
+    jitted = step.fast if jax.default_backend() == "cpu" else step.plain
+    # the tables a step returns have the types of the ones it was given: no second compile
+    assert jitted._cache_size() == 1
+    assert set(logs) == {"coll"}
+    result = fit_mod.fit(meas, cfg, progress=False, problem=problem)
+    at_defaults = (
+        fit_mod.predict_log(*fit_mod.initial_tables(problem), problem.data, cfg.temperature)["coll"]
+        - problem.data["coll"]["log_meas"]
+    )
+    np.testing.assert_allclose(result.initial_residuals["coll"], at_defaults, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(result.residuals["coll"], at_defaults)  # the fit moved
+
+
 def test_prior_holds_constants_the_data_cannot_see():
     meas = _synthetic_collectives()
     result = fit_mod.fit(meas, fit_mod.FitConfig(steps=100), progress=False)
