@@ -27,7 +27,8 @@ Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data`
    3 (fixed seed); held-out MAPE of that fold's vTrain rows, clean vs corrupted.
 6. ``flat_directions``: eigen-decomposition of the Hessian of ``calibration.fit.make_loss`` at
    the full fit's optimum with respect to the flattened trainable tables. The prior adds exactly
-   ``2 * prior_weight * I``; the data part ``H - 2 pw I`` is what the measurements pin down.
+   the diagonal ``calibration.fit.prior_curvature`` (``2 prior_weight / PRIOR_SD^2``); the data
+   part ``H`` minus that diagonal is what the measurements pin down.
    Its eigenvalues below 1e-6 x the largest are flat; the constants dominating them are listed.
    The Hessian is taken by central differences of the exact gradient (``jax.grad``) in float64
    (an exact ``jax.hessian`` / HVP compiles for minutes on this model).
@@ -394,8 +395,11 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, h: float = 3
     return 0.5 * (H + H.T), time.perf_counter() - t0
 
 
-def flat_directions(H: np.ndarray, names: np.ndarray, prior_weight: float, zero_rel=1e-9) -> dict:
-    Hd = H - 2.0 * prior_weight * np.eye(len(H))  # the prior's Hessian is exactly 2 pw I
+def flat_directions(
+    H: np.ndarray, names: np.ndarray, prior_diag: np.ndarray, zero_rel=1e-9
+) -> dict:
+    """``prior_diag``: the prior's Hessian (diagonal, ``calibration.fit.prior_curvature``)."""
+    Hd = H - np.diag(prior_diag)
     w_full = np.linalg.eigvalsh(H)
     w, V = np.linalg.eigh(Hd)
     lam_max = float(np.max(np.abs(w)))
@@ -405,8 +409,9 @@ def flat_directions(H: np.ndarray, names: np.ndarray, prior_weight: float, zero_
     flat = np.abs(w) < thr
     proj = np.sum(V[:, flat] ** 2, axis=1)  # share of e_i inside the flat subspace
     unpinned = [str(n) for n, p in zip(names, proj) if p >= 0.5]
-    # Directions whose data curvature is below the prior's (2 pw): the prior decides them.
-    weak = w < 2.0 * prior_weight
+    # Directions whose data curvature is below the prior's: the prior decides them (compared
+    # with the prior's curvature along each eigenvector).
+    weak = w < np.sum(V**2 * prior_diag[:, None], axis=0)
     proj_w = np.sum(V[:, weak] ** 2, axis=1)
     prior_dominated = [str(n) for n, p in zip(names, proj_w) if p >= 0.5]
     touched = ~untouched
@@ -854,7 +859,9 @@ def measure(args) -> dict:
     else:
         H, _, t_hc, t_hd = hessian_fd(meas, tab_full, cfg)
         method = "central differences (h=1e-4) of jax.grad(make_loss), float64"
-    flat = flat_directions(H, names, cfg.prior_weight, 1e-6 if args.quick else 1e-9)
+    prior_diag = np.asarray(ravel_pytree(F.prior_curvature(P, cfg))[0], float)
+    assert prior_diag.shape == (len(H),), (prior_diag.shape, H.shape)
+    flat = flat_directions(H, names, prior_diag, 1e-6 if args.quick else 1e-9)
     flat["method"] = method
     flat["rows_in_quadratic_huber_region"] = {
         lvl: float(np.mean(np.abs(r) < cfg.huber_delta)) for lvl, r in res_full.residuals.items()
@@ -940,6 +947,31 @@ def measure(args) -> dict:
                 "mape_pct": float(ape_pct(cv_pred[m], log_meas[m]).mean()),
             }
 
+    # How much of the vTrain error is structure a smooth model would need per-cell terms for:
+    # full-fit residuals, MAPE after removing the mean log residual within each cell.
+    vt_full = np.asarray(res_full.residuals["e2e"])[is_vtrain]
+    vt_rows = [r for r in e2e if r.source_name == VTRAIN]
+    cells = {
+        "layout (tp, pp, dp)": lambda r: (r.plan.tp, r.plan.pp, r.plan.dp),
+        "per-GPU layer shape (tp, hidden, microbatch)": lambda r: (
+            r.plan.tp,
+            r.model.hidden,
+            r.plan.microbatch,
+        ),
+        "both": lambda r: (r.plan.tp, r.plan.pp, r.plan.dp, r.model.hidden, r.plan.microbatch),
+    }
+    vt_structure = {"full_fit_mape_pct": float(np.mean(np.abs(np.expm1(vt_full))) * 100)}
+    for name, key in cells.items():
+        keys = [key(r) for r in vt_rows]
+        centred = vt_full.copy()
+        for k in set(keys):
+            m = np.array([x == k for x in keys])
+            centred[m] -= vt_full[m].mean()
+        vt_structure[name] = {
+            "cells": len(set(keys)),
+            "mape_after_removing_cell_means_pct": float(np.mean(np.abs(np.expm1(centred))) * 100),
+        }
+
     targets = {
         "vtrain_cv_mape_pct": by_source.get(VTRAIN, {}).get("mape_pct"),
         "vtrain_cv_max_ape_pct": by_source.get(VTRAIN, {}).get("max_ape_pct"),
@@ -983,6 +1015,7 @@ def measure(args) -> dict:
                 "mapping_check_max_abs_log_diff": max(cv_resid_check) if cv_resid_check else None,
                 "h100_by_cluster": h100_by_cluster,
                 "vtrain_by_tp_pp_dp": vt_pattern,
+                "vtrain_structure": vt_structure,
                 "worst_rows": worst,
                 "worst_rows_by_source": worst_by_source,
             },
@@ -1051,6 +1084,15 @@ def print_tables(r: dict) -> None:
     for k, v in cv["vtrain_by_tp_pp_dp"].items():
         print(f"  {k:16s} rows {v['rows']:4d}  mean log(pred/meas) {v['mean_log_ratio']:+.3f}  "
               f"MAPE {v['mape_pct']:.1f}%")  # fmt: skip
+    vs = cv["vtrain_structure"]
+    print(
+        f"\n== vTrain full-fit MAPE {vs['full_fit_mape_pct']:.2f}%; after removing the mean "
+        "log residual per cell =="
+    )
+    for k, v in vs.items():
+        if isinstance(v, dict):
+            pct = v["mape_after_removing_cell_means_pct"]
+            print(f"  {k:46s} {v['cells']:4d} cells  {pct:.2f}%")
     print("\n== worst CV rows ==")
     for w in cv["worst_rows"]:
         print(
@@ -1110,8 +1152,8 @@ def print_tables(r: dict) -> None:
     for k, v in sorted(by_leaf.items()):
         print(f"  {k:44s} {', '.join(sorted(set(v)))}")
     print(
-        f"  {fd['n_below_prior_curvature']} data eigenvalues are below the prior's curvature "
-        f"2*prior_weight; {len(fd['prior_dominated'])} constants are prior-dominated; share of "
+        f"  {fd['n_below_prior_curvature']} data eigenvalues are below the prior's curvature; "
+        f"{len(fd['prior_dominated'])} constants are prior-dominated; share of "
         "rows inside the Huber quadratic region: "
         + ", ".join(f"{k} {v:.0%}" for k, v in fd["rows_in_quadratic_huber_region"].items())
     )
@@ -1119,7 +1161,7 @@ def print_tables(r: dict) -> None:
     for n in fd["prior_dominated"]:
         kind, key, leaf = n.split(":", 2)
         by_leaf[f"{kind}:{leaf}"].append(key)
-    print("  prior-dominated constants (data curvature < 2*prior_weight):")
+    print("  prior-dominated constants (data curvature < the prior's):")
     for k, v in sorted(by_leaf.items()):
         print(f"    {k:42s} {', '.join(sorted(set(v)))}")
     if fd["directions"]:

@@ -39,12 +39,39 @@ FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
+# Width of the prior around each datasheet default, in the raw units the fit moves (natural
+# log for positive constants, logit for fractions): how far a datasheet-style value is
+# plausibly off. Link efficiencies are well known from nccl-tests (0.8 -> 0.66-0.89 at one
+# width); kernel efficiencies and latencies less so; the per-iteration overhead (data loading,
+# logging, framework hooks) varies by a factor of ten and more between frameworks.
+PRIOR_SD = {
+    "gemm_eff": 1.0,
+    "gemm_dim_half": 1.5,
+    "attn_eff": 1.0,
+    "mem_eff": 1.0,
+    "kernel_overhead_s": 1.0,
+    "host_op_s": 1.0,
+    "host_overlap": 1.5,
+    "nvlink_eff": 0.7,
+    "nic_eff": 0.7,
+    "nvlink_latency_scale": 1.0,
+    "nic_latency_scale": 1.0,
+    "half_bw_bytes": 1.5,
+    "collective_overhead_s": 1.5,
+    "reduce_Bps": 1.0,
+    "interference": 1.5,
+    "optimizer_bytes_per_param": 1.0,
+    "iteration_overhead_s": 2.0,
+}
+PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class FitConfig:
     steps: int = 600
     learning_rate: float = 0.1
     huber_delta: float = 0.2  # in log space: ~20% errors are quadratic, larger ones linear
-    prior_weight: float = 1e-5  # per raw constant, squared distance from the default
+    prior_weight: float = 1e-5  # per constant: squared distance from the default / PRIOR_SD^2
     weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # e2e, collectives, gemm
     tol: float = 1e-7  # stop when the loss improves less than this over `patience` steps
     patience: int = 100
@@ -248,13 +275,25 @@ def make_loss(problem: Problem, cfg: FitConfig, dtype=None, with_logs: bool = Fa
             total = total + level_w[level] * jnp.sum(
                 w * optax.huber_loss(resid, delta=cfg.huber_delta)
             ) / jnp.sum(w)
-        prior = sum(jnp.sum(jnp.square(dev[k] - dev0[k])) for k in dev) + sum(
-            jnp.sum(jnp.square(clu[k] - clu0[k])) for k in clu
+        prior = sum(
+            jnp.sum(jnp.square((tab[k] - tab0[k]) / PRIOR_SD_LEAF[k]))
+            for tab, tab0 in ((dev, dev0), (clu, clu0))
+            for k in tab
         )
         loss = total + cfg.prior_weight * prior
         return (loss, logs) if with_logs else loss
 
     return loss_fn
+
+
+def prior_curvature(problem: Problem, cfg: FitConfig, dtype=None):
+    """The prior's Hessian, which is diagonal: tables shaped like ``initial_tables`` holding
+    ``2 prior_weight / PRIOR_SD^2`` per raw constant."""
+    dev0, clu0 = initial_tables(problem, dtype)
+    return tuple(
+        {k: jnp.full_like(v, 2.0 * cfg.prior_weight / PRIOR_SD_LEAF[k] ** 2) for k, v in t.items()}
+        for t in (dev0, clu0)
+    )
 
 
 def make_step(problem: Problem, cfg: FitConfig):
