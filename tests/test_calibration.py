@@ -143,3 +143,22 @@ def test_assemble_gathers_layers():
     np.testing.assert_allclose(p.mem_eff_logit, [p0.mem_eff_logit + 1.0, p0.mem_eff_logit])
     np.testing.assert_allclose(p.nic_eff_logit, [p0.nic_eff_logit - 1.0, p0.nic_eff_logit])
     assert dataclasses.is_dataclass(p) and jax.tree_util.tree_leaves(p)
+
+
+def test_calibrate_command_writes_a_profile_and_reports_before_after(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from diffcost import cli
+
+    log = Path(__file__).parent / "data" / "readers_nccl_all_reduce.txt"
+    out = tmp_path / "fitted.yaml"
+    argv = ["calibrate", "--cluster", "dgx-h100", str(log), "--out", str(out), "--steps", "60"]
+    assert cli.main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    coll = summary["rows"]["coll"]
+    assert coll["rows"] > 0
+    assert coll["mape_after_pct"] < coll["mape_before_pct"]
+    assert summary["written"] == [str(out)]
+    values = prof._read(out)["constants"]
+    assert values["nvlink_eff"] == pytest.approx(summary["cluster"]["dgx-h100"]["nvlink_eff"])
