@@ -3,7 +3,8 @@
 Levels: GEMM kernels (time per shape and precision), collectives (time per size, group and
 placement), end-to-end iterations. The loss is a robust (Huber) penalty on
 ``log(predicted / measured)`` per level, averaged per level and weighted, plus a Gaussian prior
-pulling every raw (log / logit) constant toward its datasheet default.
+pulling every raw (log / logit) constant toward its datasheet default, with a width per
+constant (``PRIOR_SD``).
 
 Parameters are layered (``calibration.profiles``): device constants are one row per GPU family,
 cluster constants one row per cluster; each measurement gathers its rows, so a fit on several
