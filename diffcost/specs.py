@@ -15,6 +15,7 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Mlp = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
+IntraNode = Literal["switch", "mesh", "cube-mesh"]  # NVLink topology inside a node
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -86,7 +87,7 @@ class ClusterSpec:
     # "mesh": one point-to-point link to each peer (AMD Infinity Fabric), so a group of k GPUs
     # in a node uses (k - 1) / (gpus_per_node - 1) of it; "cube-mesh": DGX-1's hybrid
     # cube-mesh of 8 V100 (see ``diffcost.topology``).
-    intra_node: Literal["switch", "mesh", "cube-mesh"] = "switch"
+    intra_node: IntraNode = "switch"
     description: str = ""
 
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import typing
 
 import numpy as np
 
+from diffcost.specs import IntraNode
+
 RING_TABLE = 17  # group sizes 0..16 inside one node
-TOPOLOGIES = ("switch", "mesh", "cube-mesh")
+TOPOLOGIES = typing.get_args(IntraNode)
 
 # NVLink connections between the GPUs of a DGX-1 with V100 (``nvidia-smi topo -m``: NV1/NV2):
 # two fully connected quads (0-3, 4-7: cube faces with their diagonals) joined GPU i to i + 4.
