@@ -63,6 +63,16 @@ def test_fit_recovers_known_constants():
     assert result.losses[-1] < result.losses[0]
 
 
+def test_every_calibrated_constant_has_a_prior_width():
+    assert set(fit_mod.PRIOR_SD) == set(prof.FIELDS)
+    assert all(sd > 0 for sd in fit_mod.PRIOR_SD.values())
+    # the prior's curvature is 2 prior_weight / width^2 per raw constant
+    problem = fit_mod.build_problem(_synthetic_collectives())
+    cfg = fit_mod.FitConfig()
+    dev, clu = fit_mod.prior_curvature(problem, cfg)
+    assert float(clu["nic_eff_logit"][0]) == pytest.approx(2 * cfg.prior_weight / 0.7**2)
+
+
 def test_fit_step_compiles_once_and_reports_initial_residuals():
     meas = _synthetic_collectives()
     problem = fit_mod.build_problem(meas)
