@@ -50,6 +50,13 @@ FSDP_GRAD_BYTES = 2.0  # FSDP reduce-scatters 16-bit gradients per microbatch
 WEIGHT_BYTES = 2.0
 OPTIMIZER_STATE_BYTES = 12.0  # fp32 master weights + Adam m and v
 LOGIT_BYTES = 4.0  # fp32 logits and their gradient on the last stage
+# HBM bytes per logit of Megatron's vocab-parallel cross entropy (memory-bound passes over the
+# [tokens, vocab / tp] logits). Forward: cast the 16-bit logits to fp32 (2 + 4), max (4),
+# subtract it (4 + 4), exp (4 + 4), sum (4), softmax kept for backward (4 + 4). Backward:
+# softmax minus the one-hot target (4 + 4), times the loss gradient (4 + 4), cast to 16 bits
+# for the head's backward GEMMs (4 + 2).
+LOSS_FWD_BYTES_PER_LOGIT = 34.0
+LOSS_BWD_BYTES_PER_LOGIT = 22.0
 RUNTIME_RESERVE_BYTES = 1.0 * 2**30  # CUDA context, allocator fragmentation, workspaces
 DP_BUCKET_BYTES = 40e6  # gradient bucket buffers (two in flight)
 ATTN_BWD_FACTOR_FLASH = 2.5  # fused backward recomputes the scores
@@ -312,11 +319,12 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     head_bwd = kernels.gemm_s(t, model.hidden, vocab_local, rate, cluster, params, tau) + (
         kernels.gemm_s(model.hidden, vocab_local, t, rate, cluster, params, tau)
     )
-    loss_bytes = 3.0 * t * vocab_local * LOGIT_BYTES
-    loss_s = kernels.memory_bound_s(loss_bytes, cluster, params)
+    logits = t * vocab_local
+    loss_fwd = kernels.memory_bound_s(LOSS_FWD_BYTES_PER_LOGIT * logits, cluster, params)
+    loss_bwd = kernels.memory_bound_s(LOSS_BWD_BYTES_PER_LOGIT * logits, cluster, params)
     # vocab-parallel cross entropy: all-reduce of max and sum per token (small)
     loss_comm = 2.0 * comm.all_reduce_s(t * 4.0, tp_group, cluster, params, tau)
-    head_total = head_fwd + head_bwd + 2.0 * loss_s + loss_comm
+    head_total = head_fwd + head_bwd + loss_fwd + loss_bwd + loss_comm
     emb_total = emb_fwd + emb_bwd
 
     multi = _multi_stage(plan.pp)
@@ -326,13 +334,13 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     mid_bwd = layers * jnp.sum(layer_parts_bwd)
     fwd = jnp.stack(
         [
-            mid_fwd + emb_fwd + (1 - multi) * (head_fwd + loss_s),
+            mid_fwd + emb_fwd + (1 - multi) * (head_fwd + loss_fwd),
             mid_fwd,
-            mid_fwd + head_fwd + loss_s,
+            mid_fwd + head_fwd + loss_fwd,
         ]
     )
-    bwd = jnp.stack([mid_bwd + emb_bwd, mid_bwd, mid_bwd + head_bwd + loss_s + loss_comm]) + (
-        jnp.stack([(1 - multi) * (head_bwd + loss_s + loss_comm), 0.0 * mid_bwd, 0.0 * mid_bwd])
+    bwd = jnp.stack([mid_bwd + emb_bwd, mid_bwd, mid_bwd + head_bwd + loss_bwd + loss_comm]) + (
+        jnp.stack([(1 - multi) * (head_bwd + loss_bwd + loss_comm), 0.0 * mid_bwd, 0.0 * mid_bwd])
     )
     layer_parts = layers * (layer_parts_fwd + layer_parts_bwd)
     extras = jnp.stack([extra_first, 0.0 * extra_first, extra_last])
