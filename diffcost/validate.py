@@ -23,8 +23,15 @@ from diffcost.params import Params
 from diffcost.simulate import simulate
 from diffcost.specs import ModelSpec, PlanSpec
 
-# Vocabulary of a model family when the source does not give it.
-VOCAB_DEFAULTS = (("llama3", 128256), ("llama-3", 128256), ("llama2", 32000), ("llama-2", 32000))
+# Vocabulary of a model family when the source does not give it.  Nemotron-3 and -4 use a
+# 256k SentencePiece vocabulary (NeMo's reported TFLOP/s for its Nemotron runs imply it).
+VOCAB_DEFAULTS = (
+    ("llama3", 128256),
+    ("llama-3", 128256),
+    ("llama2", 32000),
+    ("llama-2", 32000),
+    ("nemotron", 256000),
+)
 GPT2_VOCAB = 50257
 
 
@@ -128,6 +135,7 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         have = ", ".join(sorted(cluster.gpu.peak_tflops))
         raise _Skip(f"precision {precision} has no peak on {cname} (has: {have})")
     llama = "llama" in lname
+    untied = llama or "nemotron" in lname  # Nemotron: separate output matrix, no biases
     model = ModelSpec(
         name=name,
         n_layers=shape["n_layers"],
@@ -139,8 +147,8 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         vocab=vocab,
         mlp="swiglu" if llama else "gelu",
         norm="rmsnorm" if llama else "layernorm",
-        tied_embeddings=not llama,
-        bias=not (llama or "mpt" in lname),
+        tied_embeddings=not untied,
+        bias=not (untied or "mpt" in lname),
         precision=precision,
         flash_attention=fw.flash_attention,
     )

@@ -69,6 +69,31 @@ def test_e2e_fixture():
     ]
 
 
+def test_e2e_family_defaults_for_blank_cells(tmp_path):
+    """Blank vocab: the family's tokenizer (Nemotron 256k, Llama 3 128k, else GPT-2's)."""
+    with open(E2E, newline="") as f:
+        rows = list(csv.DictReader(f))
+    nemo = next(r for r in rows if r["source"].startswith("nemo"))
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for name in ("Nemotron-22B", "LLAMA3-8B", "GPT3-20B"):
+            w.writerow({**nemo, "model": name, "vocab": ""})
+    got = {r.model.name: r.model for r in read_e2e_csv(path).e2e}
+    assert {k: m.vocab for k, m in got.items()} == {
+        "Nemotron-22B": 256000,
+        "LLAMA3-8B": 128256,
+        "GPT3-20B": 50257,
+    }
+    # Nemotron and Llama: separate output matrix, no biases; GPT-3: tied, biases
+    assert [(m.tied_embeddings, m.bias) for m in got.values()] == [
+        (False, False),
+        (False, False),
+        (True, True),
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # Collectives CSV
 
