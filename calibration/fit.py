@@ -49,6 +49,7 @@ PRIOR_SD = {
     "gemm_eff": 1.0,
     "gemm_dim_half": 1.5,
     "attn_eff": 1.0,
+    "attn_flash_odds": 1.0,
     "mem_eff": 1.0,
     "kernel_overhead_s": 1.0,
     "host_op_s": 1.0,

@@ -46,7 +46,8 @@ class ModelArrays:
     experts: jax.Array  # 1 for a dense model
     top_k: jax.Array
     capacity_factor: jax.Array
-    flash: jax.Array  # 1: fused attention
+    flash: jax.Array  # 1: fused attention (flash or cudnn)
+    flash2: jax.Array  # 1: FlashAttention-2
     precision: jax.Array  # [n_precisions] one-hot: which peak the GEMMs run at
 
 
@@ -130,6 +131,7 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
         top_k=f(moe.top_k if moe else 1),
         capacity_factor=f(moe.capacity_factor if moe else 1.0),
         flash=f(1.0 if model.flash_attention else 0.0),
+        flash2=f(1.0 if model.attention == "flash" else 0.0),
         precision=f(_one_hot(PRECISIONS.index(model.precision), len(PRECISIONS))),
     )
 

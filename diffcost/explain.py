@@ -52,7 +52,8 @@ _CLUSTER_KNOBS = (
 # constant added there shows up here; one without a label gets its field name.
 _PARAM_LABELS = {
     "gemm_dim_half_log": ("GEMM half-efficiency dim", "", 1.0),
-    "attn_eff_logit": ("attention kernel efficiency", "%", 100.0),
+    "attn_eff_logit": ("fused attention efficiency", "%", 100.0),
+    "attn_flash_log_odds": ("FlashAttention-2 odds ratio", "x", 1.0),
     "mem_eff_logit": ("HBM efficiency", "%", 100.0),
     "kernel_overhead_log_s": ("kernel launch overhead", "µs", 1e6),
     "host_op_log_s": ("host time per op", "µs", 1e6),

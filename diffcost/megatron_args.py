@@ -121,7 +121,8 @@ def parse_megatron_args(
         moe=MoeSpec(experts, num("top_k", 2), num("capacity_factor", 1.0, float))
         if experts > 1
         else None,
-        flash_attention=True,  # Megatron-Core runs fused (TE or flash) attention by default
+        # Megatron-Core runs TE's cuDNN attention unless told to use the flash-attn package.
+        attention="flash" if "flash" in switches else "cudnn",
     )
     tp, pp, cp, ep = num("tp", 1), num("pp", 1), num("cp", 1), num("ep", 1)
     if n_gpus % (tp * pp * cp):

@@ -29,7 +29,8 @@ class Params:
 
     gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
     gemm_dim_half_log: jax.Array  # GEMM dimension at which that dimension halves efficiency
-    attn_eff_logit: jax.Array  # fused attention kernel efficiency relative to GEMMs
+    attn_eff_logit: jax.Array  # fused (cuDNN) attention efficiency relative to 16-bit peak
+    attn_flash_log_odds: jax.Array  # odds ratio of FlashAttention-2's efficiency to it
     mem_eff_logit: jax.Array  # fraction of HBM bandwidth reached by memory-bound kernels
     kernel_overhead_log_s: jax.Array  # GPU-side gap per kernel launch
     host_op_log_s: jax.Array  # CPU time to dispatch one framework op (eager Python + autograd)
@@ -56,6 +57,10 @@ class Params:
     @property
     def attn_eff(self):
         return jax.nn.sigmoid(self.attn_eff_logit)
+
+    @property
+    def attn_flash_odds(self):
+        return jnp.exp(self.attn_flash_log_odds)
 
     @property
     def mem_eff(self):
@@ -125,6 +130,7 @@ DEFAULTS = {
     "gemm_eff": {"fp32": 0.80, "bf16": 0.80, "fp16": 0.80, "fp8": 0.65, "fp4": 0.55},
     "gemm_dim_half": 48.0,
     "attn_eff": 0.70,
+    "attn_flash_odds": 1.0,
     "mem_eff": 0.80,
     "kernel_overhead_s": 4e-6,
     "host_op_s": 15e-6,
@@ -155,6 +161,7 @@ def default_params(dtype=None) -> Params:
         gemm_eff_logit=f(_logit(jnp.array([d["gemm_eff"][p] for p in PRECISIONS]))),
         gemm_dim_half_log=f(jnp.log(d["gemm_dim_half"])),
         attn_eff_logit=f(_logit(d["attn_eff"])),
+        attn_flash_log_odds=f(jnp.log(d["attn_flash_odds"])),
         mem_eff_logit=f(_logit(d["mem_eff"])),
         kernel_overhead_log_s=f(jnp.log(d["kernel_overhead_s"])),
         host_op_log_s=f(jnp.log(d["host_op_s"])),

@@ -16,6 +16,10 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Mlp = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 IntraNode = Literal["switch", "mesh", "cube-mesh"]  # NVLink topology inside a node
+# Attention core: "unfused" writes the s x s scores to HBM (Megatron's softmax path); "flash" is
+# FlashAttention-2 (flash-attn, PyTorch SDPA); "cudnn" is cuDNN fused attention (Transformer
+# Engine, Megatron-Core's default), the Hopper-tuned kind that FlashAttention-3 also belongs to.
+Attention = Literal["unfused", "flash", "cudnn"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -57,7 +61,12 @@ class ModelSpec:
     bias: bool = True
     precision: Precision = "bf16"
     moe: MoeSpec | None = None
-    flash_attention: bool = True  # fused attention (no s x s scores in HBM), causal skipping
+    attention: Attention = "cudnn"  # attention kernel (see ``Attention``)
+
+    @property
+    def flash_attention(self) -> bool:
+        """Fused attention: no s x s scores in HBM, masked half of causal attention skipped."""
+        return self.attention != "unfused"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from diffcost import config as config_mod
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params
 from diffcost.simulate import simulate
-from diffcost.specs import ModelSpec, PlanSpec
+from diffcost.specs import Attention, ModelSpec, PlanSpec
 
 # Vocabulary of a model family when the source does not give it.  Nemotron-3 and -4 use a
 # 256k SentencePiece vocabulary (NeMo's reported TFLOP/s for its Nemotron runs imply it).
@@ -42,27 +42,29 @@ class FrameworkDefaults:
     sequence_parallel: bool  # with tp > 1
     zero: int
     recompute: str
-    flash_attention: bool
+    attention: Attention
     overlap_dp: bool
     overlap_tp: bool  # with tp > 1
 
 
-_MCORE = FrameworkDefaults(True, 1, "none", True, True, True)
+_MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True)
 FRAMEWORK_DEFAULTS = {
     # Megatron-Core based (NeMo, Megatron-Bridge, Megatron-LM examples): SP on with tp > 1,
-    # distributed optimizer, TE fused attention, overlapped grad reduce and TP comm overlap.
+    # distributed optimizer, TE's cuDNN fused attention, overlapped grad reduce and TP comm
+    # overlap.
     "NeMo": _MCORE,
     "Megatron-Bridge": _MCORE,
     "Megatron-Core": _MCORE,
     # Megatron-DeepSpeed (vTrain): no SP, no distributed optimizer, unfused softmax attention;
     # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction).
-    "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", False, False, False),
-    "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", False, True, False),
-    "llm-foundry": FrameworkDefaults(False, 3, "none", True, True, False),
-    "torchtitan": FrameworkDefaults(False, 3, "none", True, True, False),
-    "Alpa": FrameworkDefaults(False, 0, "none", False, True, False),
+    "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", "unfused", False, False),
+    "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", "unfused", True, False),
+    # PyTorch FSDP stacks: FlashAttention-2 (llm-foundry's flash-attn, PyTorch SDPA).
+    "llm-foundry": FrameworkDefaults(False, 3, "none", "flash", True, False),
+    "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False),
+    "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
 }
-GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", True, True, False)
+GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
 
 
 @dataclasses.dataclass
@@ -150,9 +152,9 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         tied_embeddings=not untied,
         bias=not (untied or "mpt" in lname),
         precision=precision,
-        flash_attention=fw.flash_attention,
+        attention=fw.attention,
     )
-    used.append(f"flash_attention={fw.flash_attention}")
+    used.append(f"attention={fw.attention}")
 
     tp, pp, cp, ep = (_int(row, k) or 1 for k in ("tp", "pp", "cp", "ep"))
     n_gpus = _int(row, "n_gpus")

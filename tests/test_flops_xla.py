@@ -73,7 +73,7 @@ class Case:
             name=self.name, n_layers=1, hidden=self.hidden, ffn_hidden=self.ffn,
             heads=self.heads, kv_heads=self.kv_heads, seq_len=self.seq, vocab=self.vocab,
             mlp=self.mlp, norm=self.norm, bias=self.bias, tied_embeddings=False,
-            flash_attention=flash,
+            attention="flash" if flash else "unfused",
         )  # fmt: skip
 
     @property

@@ -89,6 +89,21 @@ def test_single_gpu_has_no_communication():
         assert abs(float(getattr(b, k))) <= 1e-12 * float(b.iteration_s), k
 
 
+def test_flash_attention_odds_move_only_flash_runs():
+    """The odds ratio scales FlashAttention-2; cuDNN and unfused runs ignore it."""
+    base = default_params(jnp.float64)
+    faster = base.replace(attn_flash_log_odds=jnp.log(jnp.float64(2.0)))
+    t = {
+        (kind, name): float(_run(dataclasses.replace(GPT, attention=kind), params=p).iteration_s)
+        for kind in ("unfused", "flash", "cudnn")
+        for name, p in (("base", base), ("faster", faster))
+    }
+    assert t["cudnn", "base"] == t["flash", "base"]  # odds ratio 1: the same kernel speed
+    assert t["flash", "faster"] < t["flash", "base"]
+    assert t["cudnn", "faster"] == t["cudnn", "base"]
+    assert t["unfused", "faster"] == t["unfused", "base"]
+
+
 def test_dense_model_has_no_expert_traffic():
     for name in PLANS:
         assert float(_run(plan=PLANS[name]).ep_comm_s) == 0.0
