@@ -567,6 +567,8 @@ def _plan_row(result: SweepResult, i: int) -> dict:
 def run(args) -> int:
     """``diffcost sweep``: evaluate every plan, list the fastest, write CSV and plot.
 
+    Returns the exit code: 0, or 1 when no plan fits in memory (the report says so).
+
     Raises:
         ConfigError: bad model, cluster, GPU count, batch, --top or --chunk.
         calibration.profile.ProfileError: a bad --profile.
@@ -628,9 +630,9 @@ def run(args) -> int:
             "plot": plot_path,
         }
         print(json.dumps(d, indent=2))
-        return 0
+        return 0 if fits else 1
     _print_report(result, top, front, counts, low, capacity_gib, csv_path, plot_path)
-    return 0
+    return 0 if fits else 1  # as ``search``: exit code 1 when no plan fits
 
 
 def _print_report(result, top, front, counts, low, capacity_gib, csv_path, plot_path) -> None:

@@ -305,10 +305,10 @@ def test_cli_table(capsys):
 def test_cli_nothing_fits(capsys):
     argv = [NOTHING_FITS[0], "--cluster", NOTHING_FITS[1], "--gpus", str(NOTHING_FITS[2])]
     argv += ["--global-batch", str(NOTHING_FITS[3]), "--chunk", str(CHUNK)]
-    assert _run_cli(argv) == 0
+    assert _run_cli(argv) == 1  # as search: exit code 1 when no plan fits
     out = capsys.readouterr().out
     assert "Nothing fits" in out and "smallest peak is" in out and "GiB" in out
-    assert _run_cli([*argv, "--json"]) == 0
+    assert _run_cli([*argv, "--json"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert not d["fits"] and d["top"] == [] and d["status_counts"]["ok"] == 0
     low = d["smallest_memory"]
