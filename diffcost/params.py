@@ -62,6 +62,11 @@ class Params:
     def attn_flash_odds(self):
         return jnp.exp(self.attn_flash_log_odds)
 
+    def attention_eff(self, flash2):
+        """Attention kernel efficiency: the fused (cuDNN) kernel's ``attn_eff``, or for
+        ``flash2`` = 1 FlashAttention-2's, whose odds are ``attn_flash_odds`` times those."""
+        return jax.nn.sigmoid(self.attn_eff_logit + flash2 * self.attn_flash_log_odds)
+
     @property
     def mem_eff(self):
         return jax.nn.sigmoid(self.mem_eff_logit)

@@ -221,8 +221,7 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     attn_flops = workload.attention_flops(model, plan)
     attn_bytes = workload.attention_bytes(model, plan)
     causal = model.flash * CAUSAL_FRACTION_FLASH + (1.0 - model.flash)
-    # FlashAttention-2: the fused (cuDNN) kernel's efficiency with its odds scaled by a factor.
-    attn_eff = jax.nn.sigmoid(params.attn_eff_logit + model.flash2 * params.attn_flash_log_odds)
+    attn_eff = params.attention_eff(model.flash2)
     attn_rate = rate16 * (model.flash * attn_eff + (1.0 - model.flash))
     attn_fwd = smooth.smax2(
         attn_flops * causal / attn_rate,
