@@ -4,11 +4,12 @@ The execution model, in the order it is composed (every max is a smooth max, see
 ``diffcost.smooth``; at temperature 0 this is exactly the graph that ``diffcost.reference``
 simulates event by event):
 
-1. **Layer** (per microbatch, one GPU): GEMMs, attention, memory-bound kernels and launch
-   overheads on the compute stream; tensor-parallel collectives in series with them (or
-   overlapped when ``overlap_tp``); context-parallel K/V exchange overlapped with attention;
-   expert all-to-alls in series; ZeRO-3 parameter gathers prefetched under compute. Overlapped
-   pairs slow each other by the interference factor over the overlapping time.
+1. **Layer** (per microbatch, one GPU): GEMMs, attention, memory-bound kernels (FP8 input
+   casts included) and launch overheads on the compute stream; tensor-parallel collectives in
+   series with them (or overlapped when ``overlap_tp``); context-parallel K/V exchange
+   overlapped with attention; expert all-to-alls in series; ZeRO-3 parameter gathers
+   prefetched under compute. Overlapped pairs slow each other by the interference factor over
+   the overlapping time.
 2. **Stage** (per microbatch): ``layers / pp`` layers, plus the embedding on the first stage and
    the LM head and loss on the last. Three stage kinds: first, middle, last.
 3. **Pipeline**: closed forms per schedule (``pipeline_time``) over the three stage kinds,
@@ -232,9 +233,12 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
         model.flash * ATTN_BWD_FACTOR_FLASH + (1 - model.flash) * ATTN_BWD_FACTOR
     )
     elem_fwd = kernels.memory_bound_s(workload.elementwise_bytes(model, plan), cluster, params)
+    cast_fwd, cast_bwd = (
+        kernels.memory_bound_s(b, cluster, params) for b in workload.cast_bytes(model, plan)
+    )
     launch = workload.KERNELS_PER_LAYER_FWD * params.kernel_overhead_s
-    gpu_fwd = gemm_fwd + attn_fwd + elem_fwd + launch
-    gpu_bwd = gemm_bwd + attn_bwd + 2.0 * elem_fwd + 2.0 * launch
+    gpu_fwd = gemm_fwd + attn_fwd + elem_fwd + cast_fwd + launch
+    gpu_bwd = gemm_bwd + attn_bwd + 2.0 * elem_fwd + cast_bwd + 2.0 * launch
 
     act_msg = workload.tokens(model, plan) * model.hidden * ACT_BYTES
     tp_sp = 2.0 * (

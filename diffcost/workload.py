@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from diffcost.arrays import ACT_BYTES, ModelArrays, PlanArrays
+from diffcost.specs import PRECISIONS
 
 # Korthikanti et al.: bytes per token of activations that SP splits (two norm inputs, two
 # dropout masks, the inputs of the QKV and FC1 GEMMs), in units of hidden.
@@ -34,6 +35,12 @@ _SCORE_PASSES = 6.0
 # Elementwise HBM traffic per layer, forward, in tokens x hidden x bytes: two norms (read +
 # write), two dropout+residual blocks (read two, write one, mask).
 _ELEMENTWISE_PASSES_H = 2 * 2.0 + 2 * 4.0
+# FP8/FP4 GEMMs (Transformer Engine) first cast each 16-bit input to the low precision and keep a
+# transposed copy for the other backward GEMM: read 2 B, write the cast and its transpose, per
+# element of the forward inputs and, in backward, of the output gradients. Weights are cast once
+# per iteration (cached across microbatches) and are left out.
+_CAST_BYTES_PER_ELEMENT = 2.0 + 1.0 + 1.0
+_LOW_PRECISIONS = [PRECISIONS.index("fp8"), PRECISIONS.index("fp4")]
 # Kernels launched by one layer's forward (norms, GEMMs, attention, activation, residuals).
 KERNELS_PER_LAYER_FWD = 12.0
 # Framework ops the host dispatches for one layer's forward in eager PyTorch (Megatron's GPT
@@ -123,6 +130,18 @@ def elementwise_bytes(model: ModelArrays, plan: PlanArrays):
     tr = routed_tokens(model, plan)
     act = (2.0 + model.swiglu) * tr * model.ffn_hidden / plan.tp
     return ACT_BYTES * (_ELEMENTWISE_PASSES_H * ts * model.hidden + act)
+
+
+def cast_bytes(model: ModelArrays, plan: PlanArrays):
+    """HBM traffic of FP8/FP4 input casts in one layer: (forward, backward); 0 in 16 bits.
+
+    Covers the QKV, attention output, FC1 and FC2 GEMMs; the MoE router stays in 16 bits.
+    """
+    g = layer_gemms(model, plan)
+    low = jnp.sum(model.precision[jnp.array(_LOW_PRECISIONS)])
+    fwd = jnp.sum(g.m[:4] * g.k[:4])  # inputs (m x k)
+    bwd = jnp.sum(g.m[:4] * g.n[:4])  # output gradients (m x n)
+    return low * _CAST_BYTES_PER_ELEMENT * fwd, low * _CAST_BYTES_PER_ELEMENT * bwd
 
 
 def layer_forward_flops(model: ModelArrays, plan: PlanArrays):
