@@ -320,9 +320,13 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     emb_fwd = kernels.memory_bound_s(2.0 * t * model.hidden * ACT_BYTES, cluster, params)
     emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * GRAD_BYTES, cluster, params)
     vocab_local = model.vocab / plan.tp
-    head_fwd = kernels.gemm_s(t, vocab_local, model.hidden, rate, cluster, params, tau)
-    head_bwd = kernels.gemm_s(t, model.hidden, vocab_local, rate, cluster, params, tau) + (
-        kernels.gemm_s(model.hidden, vocab_local, t, rate, cluster, params, tau)
+    # The LM head is not an FP8/FP4 layer (Megatron-Core's output layer, llm-foundry's tied
+    # head and torchtitan's float8 conversion all keep it in 16 bits).
+    low = workload.low_precision(model)
+    head_rate = low * rate16 + (1.0 - low) * rate
+    head_fwd = kernels.gemm_s(t, vocab_local, model.hidden, head_rate, cluster, params, tau)
+    head_bwd = kernels.gemm_s(t, model.hidden, vocab_local, head_rate, cluster, params, tau) + (
+        kernels.gemm_s(model.hidden, vocab_local, t, head_rate, cluster, params, tau)
     )
     logits = t * vocab_local
     loss_fwd = kernels.memory_bound_s(LOSS_FWD_BYTES_PER_LOGIT * logits, cluster, params)

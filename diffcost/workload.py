@@ -132,13 +132,18 @@ def elementwise_bytes(model: ModelArrays, plan: PlanArrays):
     return ACT_BYTES * (_ELEMENTWISE_PASSES_H * ts * model.hidden + act)
 
 
+def low_precision(model: ModelArrays):
+    """1 when the layer GEMMs run in FP8/FP4 (0 in 16 or 32 bits, in between when relaxed)."""
+    return jnp.sum(model.precision[jnp.array(_LOW_PRECISIONS)])
+
+
 def cast_bytes(model: ModelArrays, plan: PlanArrays):
     """HBM traffic of FP8/FP4 input casts in one layer: (forward, backward); 0 in 16 bits.
 
     Covers the QKV, attention output, FC1 and FC2 GEMMs; the MoE router stays in 16 bits.
     """
     g = layer_gemms(model, plan)
-    low = jnp.sum(model.precision[jnp.array(_LOW_PRECISIONS)])
+    low = low_precision(model)
     fwd = jnp.sum(g.m[:4] * g.k[:4])  # inputs (m x k)
     bwd = jnp.sum(g.m[:4] * g.n[:4])  # output gradients (m x n)
     return low * _CAST_BYTES_PER_ELEMENT * fwd, low * _CAST_BYTES_PER_ELEMENT * bwd

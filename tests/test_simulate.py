@@ -11,6 +11,7 @@ from jax.test_util import check_grads
 
 from diffcost import api, default_params, workload
 from diffcost.arrays import stack
+from diffcost.config import load_cluster
 from diffcost.simulate import STATUS_INVALID, STATUS_OK, STATUS_OOM, Breakdown, simulate
 
 REL = 1e-9  # float64 equality of two computations of the same quantity
@@ -116,6 +117,27 @@ def test_fp8_casts_count_each_gemm_input_and_output_gradient():
     fwd, bwd = workload.cast_bytes(m8, p)
     assert float(fwd) == pytest.approx(4 * inputs, rel=1e-12)
     assert float(bwd) == pytest.approx(4 * output_grads, rel=1e-12)
+
+
+def test_lm_head_stays_in_16_bits_under_fp8():
+    """FP8 training keeps the output layer in bf16: a larger vocabulary costs the same time."""
+    h100 = load_cluster("dgx-h100")
+
+    def vocab_cost(precision):
+        t = [
+            float(
+                _run(
+                    dataclasses.replace(GPT, precision=precision, vocab=v),
+                    plan=PLANS["dp8"],
+                    cluster=h100,
+                ).iteration_s
+            )
+            for v in (32000, 128000)
+        ]
+        return t[1] - t[0]
+
+    assert vocab_cost("fp8") > 0.0
+    assert vocab_cost("fp8") == pytest.approx(vocab_cost("bf16"), rel=1e-4)
 
 
 def test_dense_model_has_no_expert_traffic():
