@@ -3,7 +3,9 @@
 A collective runs over a group of ``n`` ranks of which ``k`` share a node (an NVLink/NVSwitch
 domain) and ``n / k`` nodes are joined by NICs through the fabric. Every algorithm is written
 with latency (alpha) and bandwidth (beta) terms per level; NCCL picks the fastest algorithm, so
-the model takes a smooth minimum over ring, tree and hierarchical variants.
+the model takes a smooth minimum over the variants NCCL has for the collective: ring, tree and
+hierarchical for all-reduce, the ring alone for all-gather and reduce-scatter (whose ``n - 1``
+steps each wait for the slowest hop, which across nodes is a NIC hop).
 
 Bandwidth curve: a link moving ``M`` bytes reaches ``B * M / (M + M_half)``, i.e. the time is
 ``(M + M_half) / B``: a smooth small-message penalty that vanishes for large messages.
@@ -108,17 +110,18 @@ def all_reduce_s(msg_bytes, group: Placement, cluster, params, temperature):
     inter-node hops share ``k`` NIC shares. Tree: double binary tree, ``2 log2 n`` latency.
     """
     return _collective_s(
-        msg_bytes, group, cluster, params, temperature, factor=2.0, tree=True, reduce=True
+        msg_bytes, group, cluster, params, temperature, factor=2.0, all_reduce=True, reduce=True
     )
 
 
 def reduce_scatter_s(msg_bytes, group, cluster, params, temperature):
-    """Reduce-scatter of a ``msg_bytes`` buffer: half an all-reduce's traffic and reduction."""
+    """Reduce-scatter of a ``msg_bytes`` buffer: half an all-reduce's traffic and reduction, on
+    a ring over all ranks."""
     return _collective_s(msg_bytes, group, cluster, params, temperature, 1.0, reduce=True)
 
 
 def all_gather_s(msg_bytes, group, cluster, params, temperature):
-    """All-gather into a ``msg_bytes`` buffer: a reduce-scatter's traffic, nothing to reduce."""
+    """All-gather into a ``msg_bytes`` buffer: a reduce-scatter's ring, nothing to reduce."""
     return _collective_s(msg_bytes, group, cluster, params, temperature, 1.0)
 
 
@@ -131,7 +134,14 @@ def _log2_ratio(n):
 
 
 def _collective_s(
-    msg_bytes, group: Placement, cluster, params, temperature, factor, tree=False, reduce=False
+    msg_bytes,
+    group: Placement,
+    cluster,
+    params,
+    temperature,
+    factor,
+    all_reduce=False,
+    reduce=False,
 ):
     """Every algorithm costs ``(n - 1) * rate``; NCCL's choice is a smooth min of the rates.
 
@@ -161,8 +171,9 @@ def _collective_s(
     )
     lat = nvl_lat + (nic_lat - nvl_lat) * crosses
     ring = factor * (_transfer(msg_bytes, ring_Bps, params) / n + present * lat)
-    algorithms = [hier, ring]
-    if tree:  # NCCL's trees serve all-reduce only
+    # NCCL has trees and the hierarchical split for all-reduce only
+    algorithms = [hier, ring] if all_reduce else [ring]
+    if all_reduce:
         # log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth
         algorithms.append(
             factor

@@ -102,6 +102,25 @@ def test_spanning_nodes_takes_the_faster_algorithm(env):
     assert t == pytest.approx(ring + BIG / float(params.reduce_Bps), rel=REL)
 
 
+def test_gather_and_scatter_across_nodes_pay_a_ring_of_nic_hops(env):
+    """NCCL runs all-gather and reduce-scatter on a ring only: a small message over 8 nodes of
+    8 GPUs takes 63 steps, each waiting for a NIC hop, while all-reduce may use its tree."""
+    c, params = env
+    group = comm.place(64.0, 1.0, c.gpus_per_node)
+    nic_lat = float(c.nic_latency_s * params.nic_latency_scale)
+    call = float(params.collective_overhead_s)
+    ring_bps = min(float(c.nvlink_Bps * params.nvlink_eff), 8 * float(c.nic_Bps * params.nic_eff))
+    small = 1e3  # bytes: latency-bound
+    t_ag = float(comm.all_gather_s(small, group, c, params, 1e-3))
+    curve = 63 / 64 * (small + float(params.half_bw_bytes)) / ring_bps  # small-message term
+    assert t_ag == pytest.approx(63 * nic_lat + curve + call, rel=0.01)
+    t_rs = float(comm.reduce_scatter_s(small, group, c, params, 1e-3))
+    assert t_rs == pytest.approx(t_ag, rel=0.05)
+    # the two-level scheme would need only 7 NVLink and 7 NIC steps
+    assert t_ag > 2 * (7 * float(c.nvlink_latency_s) + 7 * nic_lat)
+    assert float(comm.all_reduce_s(small, group, c, params, 1e-3)) < 2 * t_ag
+
+
 def test_small_messages_are_latency_bound_and_monotone(env):
     c, params = env
     group = comm.place(8.0, 1.0, c.gpus_per_node)
