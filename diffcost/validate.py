@@ -65,6 +65,11 @@ FRAMEWORK_DEFAULTS = {
     "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
 }
 GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
+# Recompute a framework's own configs use for a model family, where that differs from the
+# framework's default: NeMo's GPT-3 performance configs (NeMo-Framework-Launcher
+# conf/training/gpt3/{5b,20b,175b}_fp8_performance.yaml) checkpoint the attention core
+# ("selective"); its Llama and Nemotron configs recompute nothing.
+FAMILY_RECOMPUTE = (("NeMo", "gpt3", "selective"),)
 
 
 @dataclasses.dataclass
@@ -176,7 +181,15 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         used.append(f"zero={zero}")
     recompute = row.get("recompute", "").strip()
     if not recompute:
-        recompute = fw.recompute
+        framework = row.get("framework", "").lower()
+        recompute = next(
+            (
+                r
+                for fw_key, family, r in FAMILY_RECOMPUTE
+                if fw_key.lower() in framework and lname.startswith(family)
+            ),
+            fw.recompute,
+        )
         used.append(f"recompute={recompute}")
     chunks = _int(row, "interleave_chunks")
     if chunks is None:

@@ -72,7 +72,8 @@ def test_e2e_fixture():
 
 
 def test_e2e_family_defaults_for_blank_cells(tmp_path):
-    """Blank vocab: the family's tokenizer (Nemotron 256k, Llama 3 128k, else GPT-2's)."""
+    """Blank vocab: the family's tokenizer (Nemotron 256k, Llama 3 128k, else GPT-2's); blank
+    recompute: what the framework's configs for that family use."""
     with open(E2E, newline="") as f:
         rows = list(csv.DictReader(f))
     nemo = next(r for r in rows if r["source"].startswith("nemo"))
@@ -94,6 +95,13 @@ def test_e2e_family_defaults_for_blank_cells(tmp_path):
         (False, False),
         (True, True),
     ]
+    # NeMo's GPT-3 configs recompute the attention core; its other models recompute nothing
+    plans = {r.model.name: r.plan for r in read_e2e_csv(path).e2e}
+    assert {k: p.recompute for k, p in plans.items()} == {
+        "Nemotron-22B": "none",
+        "LLAMA3-8B": "none",
+        "GPT3-20B": "selective",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
