@@ -205,6 +205,19 @@ def test_jit_equals_eager_and_does_not_recompile():
     assert api.simulate_jit._cache_size() == 1
 
 
+def test_specs_closed_over_as_constants_trace_under_jit():
+    """The arrays of a spec are numpy; a jitted gradient that closes over them (as the speed
+    benchmark does) sees numpy leaves, so the model may only index them statically."""
+    params = default_params(jnp.float64)
+    fp8 = dataclasses.replace(GPT, precision="fp8")
+    m, p, c = arrays(fp8, PLANS["dp8"], load_cluster("dgx-h100"))
+    assert isinstance(m.precision, np.ndarray)
+    fn = jax.jit(jax.value_and_grad(lambda pl: simulate(m, pl, c, params).iteration_s))
+    value, grad = fn(p)
+    assert float(value) == pytest.approx(float(simulate(m, p, c, params).iteration_s), rel=1e-12)
+    assert np.isfinite(float(grad.dp))
+
+
 def _relaxed_fn(name, field):
     m, p, c = arrays(plan=PLANS[name])
     params = default_params(jnp.float64)
