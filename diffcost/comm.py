@@ -157,12 +157,6 @@ def _collective_s(
     n, k = group.size, group.per_node
     nodes = group.nodes
     present = _present(msg_bytes)
-    # Hierarchical: intra-node RS/AG + inter-node ring on 1/k of the data per NIC share.
-    hier = factor * (
-        group.intra_share / k * _transfer(msg_bytes, nvl_Bps, params)
-        + group.inter_share / nodes * _transfer(msg_bytes / k, nic_Bps, params)
-        + present * (group.intra_share * nvl_lat + group.inter_share * nic_lat)
-    )
     # Flat ring: every step limited by the slowest hop; inter-node hops get k NIC shares.
     inter_frac = (nodes - 1.0) / nodes
     crosses = jnp.minimum(2.0 * inter_frac, 1.0)  # 0 in one node, 1 across nodes
@@ -171,17 +165,20 @@ def _collective_s(
     )
     lat = nvl_lat + (nic_lat - nvl_lat) * crosses
     ring = factor * (_transfer(msg_bytes, ring_Bps, params) / n + present * lat)
-    # NCCL has trees and the hierarchical split for all-reduce only
-    algorithms = [hier, ring] if all_reduce else [ring]
-    if all_reduce:
-        # log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth
-        algorithms.append(
-            factor
-            * (
-                _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY / n
-                + present * _log2_ratio(n) * lat
-            )
+    algorithms = [ring]
+    if all_reduce:  # NCCL has the hierarchical split and trees for all-reduce only
+        # Hierarchical: intra-node RS/AG + inter-node ring on 1/k of the data per NIC share.
+        hier = factor * (
+            group.intra_share / k * _transfer(msg_bytes, nvl_Bps, params)
+            + group.inter_share / nodes * _transfer(msg_bytes / k, nic_Bps, params)
+            + present * (group.intra_share * nvl_lat + group.inter_share * nic_lat)
         )
+        # log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth
+        tree = factor * (
+            _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY / n
+            + present * _log2_ratio(n) * lat
+        )
+        algorithms = [hier, ring, tree]
     rates = jnp.stack(algorithms, axis=-1)
     best = (n - 1.0) * smooth.smooth_min(rates, axis=-1, temperature=temperature)
     if reduce:
