@@ -234,7 +234,7 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     )
     elem_fwd = kernels.memory_bound_s(workload.elementwise_bytes(model, plan), cluster, params)
     cast_fwd, cast_bwd = (
-        kernels.memory_bound_s(b, cluster, params) for b in workload.cast_bytes(model, plan)
+        kernels.memory_bound_s(b, cluster, params) for b in workload.cast_bytes(model, g)
     )
     launch = workload.KERNELS_PER_LAYER_FWD * params.kernel_overhead_s
     gpu_fwd = gemm_fwd + attn_fwd + elem_fwd + cast_fwd + launch

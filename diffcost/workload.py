@@ -137,12 +137,12 @@ def low_precision(model: ModelArrays):
     return sum(model.precision[i] for i in _LOW_PRECISIONS)
 
 
-def cast_bytes(model: ModelArrays, plan: PlanArrays):
+def cast_bytes(model: ModelArrays, g: Gemms):
     """HBM traffic of FP8/FP4 input casts in one layer: (forward, backward); 0 in 16 bits.
 
-    Covers the QKV, attention output, FC1 and FC2 GEMMs; the MoE router stays in 16 bits.
+    ``g`` is ``layer_gemms(model, plan)``. Covers the QKV, attention output, FC1 and FC2 GEMMs;
+    the MoE router (the last GEMM) stays in 16 bits.
     """
-    g = layer_gemms(model, plan)
     low = low_precision(model)
     fwd = jnp.sum(g.m[:4] * g.k[:4])  # inputs (m x k)
     bwd = jnp.sum(g.m[:4] * g.n[:4])  # output gradients (m x n)
