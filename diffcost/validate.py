@@ -86,11 +86,9 @@ class RowResult:
     defaults: list[str] = dataclasses.field(default_factory=list)
 
 
-def _framework_defaults(framework: str) -> FrameworkDefaults:
-    for key, value in FRAMEWORK_DEFAULTS.items():
-        if key.lower() in framework.lower():
-            return value
-    return GENERIC_DEFAULTS
+def _framework_key(framework: str) -> str | None:
+    """The first ``FRAMEWORK_DEFAULTS`` key named in a row's framework cell (None: unknown)."""
+    return next((key for key in FRAMEWORK_DEFAULTS if key.lower() in framework.lower()), None)
 
 
 def _int(row, key) -> int | None:
@@ -107,7 +105,8 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
     used: list[str] = []
     name = row.get("model", "")
     lname = name.lower().replace(" ", "")
-    fw = _framework_defaults(row.get("framework", ""))
+    fw_key = _framework_key(row.get("framework", ""))
+    fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
     shape = {k: _int(row, k) for k in ("n_layers", "hidden", "heads", "seq_len")}
     missing = [k for k, v in shape.items() if v is None]
     if missing:
@@ -181,13 +180,8 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         used.append(f"zero={zero}")
     recompute = row.get("recompute", "").strip()
     if not recompute:
-        framework = row.get("framework", "").lower()
         recompute = next(
-            (
-                r
-                for fw_key, family, r in FAMILY_RECOMPUTE
-                if fw_key.lower() in framework and lname.startswith(family)
-            ),
+            (r for key, fam, r in FAMILY_RECOMPUTE if key == fw_key and lname.startswith(fam)),
             fw.recompute,
         )
         used.append(f"recompute={recompute}")
