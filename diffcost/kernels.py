@@ -28,11 +28,18 @@ def gemm_peak_flops(model: ModelArrays, cluster: ClusterArrays, params: Params):
     return peak * eff
 
 
-def half_peak_flops(cluster: ClusterArrays, params: Params):
-    """16-bit FLOP/s (attention runs in bf16/fp16 even in fp8 training)."""
-    peak = jnp.maximum(cluster.peak_flops[_BF16], cluster.peak_flops[_FP16])
-    eff = jnp.maximum(params.gemm_eff[_BF16], params.gemm_eff[_FP16])
-    return peak * eff
+def half_peak_flops(model: ModelArrays, cluster: ClusterArrays, params: Params):
+    """16-bit FLOP/s of the kernels that stay in 16 bits (attention, the FP8 run's LM head).
+
+    A bf16 or fp16 model uses its own type. Beside FP8/FP4 (and fp32) layers that is bf16,
+    or fp16 on a GPU without bf16 (V100). Never the faster of the two: an efficiency that no
+    measurement pins (fp16 on H100) must not become a free knob on every run's attention.
+    """
+    bf16 = cluster.peak_flops[_BF16] * params.gemm_eff[_BF16]
+    fp16 = cluster.peak_flops[_FP16] * params.gemm_eff[_FP16]
+    beside = jnp.where(cluster.peak_flops[_BF16] > 0.0, bf16, fp16)
+    w_bf16, w_fp16 = model.precision[_BF16], model.precision[_FP16]
+    return w_bf16 * bf16 + w_fp16 * fp16 + (1.0 - w_bf16 - w_fp16) * beside
 
 
 def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):

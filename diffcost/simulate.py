@@ -211,7 +211,7 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
 
     # --- one layer, one microbatch -----------------------------------------------------------
     rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
-    rate16 = jnp.maximum(kernels.half_peak_flops(cluster, params), 1.0)
+    rate16 = jnp.maximum(kernels.half_peak_flops(model, cluster, params), 1.0)
     g = workload.layer_gemms(model, plan)
     gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau))
     # dgrad (m x n) @ (n x k) and wgrad (k x m) @ (m x n): same FLOPs, transposed shapes.

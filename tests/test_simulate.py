@@ -9,10 +9,11 @@ import pytest
 from helpers import CLUSTER, GPT, LLAMA, MOE, PLANS, arrays
 from jax.test_util import check_grads
 
-from diffcost import api, default_params, workload
+from diffcost import api, default_params, kernels, workload
 from diffcost.arrays import stack
 from diffcost.config import load_cluster
 from diffcost.simulate import STATUS_INVALID, STATUS_OK, STATUS_OOM, Breakdown, simulate
+from diffcost.specs import PRECISIONS
 
 REL = 1e-9  # float64 equality of two computations of the same quantity
 GRAD_RTOL = 2e-3  # finite differences vs reverse mode (central differences, eps 1e-4)
@@ -139,6 +140,36 @@ def test_lm_head_stays_in_16_bits_under_fp8():
 
     assert vocab_cost("fp8") > 0.0
     assert vocab_cost("fp8") == pytest.approx(vocab_cost("bf16"), rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "cluster_name, precision, follows",
+    [
+        ("dgx-h100", "bf16", "bf16"),
+        ("dgx-h100", "fp16", "fp16"),
+        ("dgx-h100", "fp8", "bf16"),  # TE keeps attention and the LM head in bf16
+        ("generic-v100", "fp16", "fp16"),
+        ("generic-v100", "fp32", "fp16"),  # no bf16 on a V100
+    ],
+)
+def test_16_bit_kernels_follow_one_precision(cluster_name, precision, follows):
+    """Attention runs at the model's 16-bit type (bf16 beside FP8), never the faster of the two:
+    raising the other type's GEMM efficiency leaves the attention time alone."""
+    cluster = load_cluster(cluster_name)
+    model = dataclasses.replace(GPT, precision=precision, attention="cudnn")
+    base = default_params(jnp.float64)
+
+    def rate16(which, factor):
+        i = PRECISIONS.index(which)
+        eff = base.gemm_eff.at[i].multiply(factor)
+        params = dataclasses.replace(base, gemm_eff_logit=jnp.log(eff / (1.0 - eff)))
+        m, _, c = arrays(model, PLANS["dp8"], cluster)
+        return float(kernels.half_peak_flops(m, c, params))
+
+    other = "fp16" if follows == "bf16" else "bf16"
+    rate = rate16(follows, 1.0)
+    assert rate16(follows, 1.1) == pytest.approx(1.1 * rate, rel=1e-9)
+    assert rate16(other, 1.1) == rate
 
 
 def test_dense_model_has_no_expert_traffic():
