@@ -14,10 +14,10 @@ elasticity is ``d ln T / d u`` at ``u = 0``:
   ``ln p`` by ``u`` to first order, i.e. ``d ln T / d ln p = (d T / d raw) / T / (1 - p)``.
 
 Peak FLOP/s and GEMM efficiency have one entry per precision. The GEMMs run at the model's
-precision; attention runs at the 16-bit rate ``max(bf16, fp16)``. For a 16-bit model whose
-entry is that maximum both are one physical number, so its knob scales both 16-bit entries
-(which keeps the derivative of the ``max`` exact at a tie); otherwise the 16-bit rate is a
-separate knob. Memory capacity and GPUs per node are not speed knobs and are left out.
+precision. Attention (and an FP8 run's LM head) runs at the model's own entry when that is
+bf16 or fp16; beside fp8/fp4/fp32 layers at bf16, or fp16 on a GPU without bf16
+(``kernels.half_peak_flops``), which is then a separate 16-bit knob. Memory capacity and GPUs
+per node are not speed knobs and are left out.
 """
 
 from __future__ import annotations
@@ -94,24 +94,19 @@ def _param_knobs(params: Params) -> tuple[tuple[str, str, str], ...]:
 _N_VECTOR = 4
 
 
-def _precision_groups(values: np.ndarray, prec: int) -> tuple[np.ndarray, np.ndarray]:
+def _precision_groups(peak: np.ndarray, prec: int) -> tuple[np.ndarray, np.ndarray]:
     """Masks of the entries moved by the model-precision knob and by the 16-bit knob.
 
-    The model-precision knob takes the other 16-bit entry along when the model runs in 16 bits
-    and its entry is the 16-bit maximum (both rates are then the same number); the 16-bit knob
-    takes what is left of bf16/fp16 (none, or both for an fp8/fp4/fp32 model).
+    The same masks serve peak FLOP/s and GEMM efficiency. A bf16 or fp16 model has no
+    separate 16-bit knob (its attention runs at its own entry); beside fp8/fp4/fp32 layers the
+    16-bit knob is bf16, or fp16 where the GPU has no bf16 (none if it has neither).
     """
     a = np.zeros(len(PRECISIONS))
     a[prec] = 1.0
-    if prec in (_BF16, _FP16):
-        other = _FP16 if prec == _BF16 else _BF16
-        if values[prec] >= values[other]:
-            a[other] = 1.0
     b = np.zeros(len(PRECISIONS))
-    b[[_BF16, _FP16]] = 1.0
-    b = b * (1.0 - a)
-    if not np.any(b * values > 0):
-        b[:] = 0.0
+    if prec not in (_BF16, _FP16):
+        half = _BF16 if peak[_BF16] > 0 else _FP16
+        b[half] = 1.0 if peak[half] > 0 else 0.0
     return a, b
 
 
@@ -192,7 +187,7 @@ def explain(
     peak = np.asarray(cluster.peak_flops, dtype=float)
     eff = np.asarray(params.gemm_eff, dtype=float)
     m_peak, m_peak16 = _precision_groups(peak, prec)
-    m_eff, m_eff16 = _precision_groups(eff, prec)
+    m_eff, m_eff16 = m_peak, m_peak16
     masks = tuple(np.asarray(m, dtype=dtype) for m in (m_peak, m_peak16, m_eff, m_eff16))
     knobs = _param_knobs(params)
     u = np.zeros(_N_VECTOR + len(_CLUSTER_KNOBS) + len(knobs), dtype=dtype)

@@ -20,7 +20,6 @@ GPT1B = str(ROOT / "configs" / "examples" / "gpt-1b-vtrain.yaml")
 GPT3 = str(ROOT / "configs" / "examples" / "gpt3-175b.yaml")
 LLAMA70B = str(ROOT / "configs" / "examples" / "llama3-70b-h100.yaml")
 H = 1e-4  # relative perturbation of the finite differences
-SIXTEEN = ("bf16", "fp16")
 
 # elasticity key -> how the config (cluster spec) field that carries it is scaled
 CLUSTER_FIELDS = {
@@ -52,13 +51,18 @@ def _log_time(exp, params):
     return float(np.log(_simulate(*api.experiment_arrays(exp), params).iteration_s))
 
 
+def _sixteen(cluster):
+    """The 16-bit type beside FP8 layers: bf16 where the GPU has it."""
+    return "bf16" if cluster.gpu.peak_tflops.get("bf16", 0) > 0 else "fp16"
+
+
 def _scaled(exp, params, key, factor):
     """(experiment, params) with the quantity behind elasticity ``key`` multiplied by ``factor``."""
     c = exp.cluster
     prec = exp.model.precision
     if key in ("peak_flops", "peak_flops_16bit"):
-        # a 16-bit model's knob is the 16-bit peak (both entries); otherwise its own entry
-        names = SIXTEEN if (key == "peak_flops_16bit" or prec in SIXTEEN) else (prec,)
+        # the model's own entry; the 16-bit knob beside fp8 is bf16 (fp16 without bf16)
+        names = (_sixteen(c),) if key == "peak_flops_16bit" else (prec,)
         peak = {k: v * factor if k in names else v for k, v in c.gpu.peak_tflops.items()}
         gpu = dataclasses.replace(c.gpu, peak_tflops=peak)
         return dataclasses.replace(exp, cluster=dataclasses.replace(c, gpu=gpu)), params
@@ -71,10 +75,10 @@ def _scaled(exp, params, key, factor):
             part = dataclasses.replace(part, **{field: getattr(part, field) * factor})
             c = dataclasses.replace(c, **{sub: part})
         return dataclasses.replace(exp, cluster=c), params
-    if key == "gemm_eff":
+    if key in ("gemm_eff", "gemm_eff_16bit"):
         from diffcost.specs import PRECISIONS
 
-        names = SIXTEEN if prec in SIXTEEN else (prec,)
+        names = (_sixteen(c),) if key == "gemm_eff_16bit" else (prec,)
         mask = np.array([p in names for p in PRECISIONS])
         p = np.asarray(params.gemm_eff)
         p = np.where(mask, p * factor, p)
@@ -107,7 +111,11 @@ CASES = [
         ("peak_flops", "nvlink_Bps", "nic_Bps", "nic_latency_s", "nvlink_eff", "half_bw_bytes"),
     ),
     # fp8 GEMMs with 16-bit attention: two separate peaks
-    (LLAMA70B, ("model.precision=fp8",), ("peak_flops", "peak_flops_16bit", "gemm_eff")),
+    (
+        LLAMA70B,
+        ("model.precision=fp8",),
+        ("peak_flops", "peak_flops_16bit", "gemm_eff", "gemm_eff_16bit"),
+    ),
 ]
 
 
