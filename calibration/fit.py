@@ -47,7 +47,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # logging, framework hooks) gets one e-fold: at width 2 the fit turned time it could not
 # explain in long runs into a fixed cost per iteration (0.47 s on dgx-h100 with its short runs
 # held out), which short runs then paid. That width was picked from 2, 1 and 0.5 by the
-# grouped CV itself (H100: 5.73, 5.44, 5.62%), so it carries a small selection bias.
+# grouped CV itself (H100: 5.73, 5.44, 5.62%), so it carries a small selection bias. Rerun
+# after the H100 FP8 GEMM tables were dropped (readers.read_gemm_csv): 5.02, 4.65, 4.66%.
 # FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
 # on Hopper, so its odds ratio stays near 1 where no data separates the two kernels.
 PRIOR_SD = {
