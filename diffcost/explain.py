@@ -90,7 +90,7 @@ def _param_knobs(params: Params) -> tuple[tuple[str, str, str], ...]:
 
 
 # Vector knobs (per precision): 0 model-precision peak, 1 16-bit peak, 2 and 3 the same for
-# GEMM efficiency; their masks select the entries they scale.
+# GEMM efficiency; one pair of masks (``_precision_groups``) selects the entries they scale.
 _N_VECTOR = 4
 
 
@@ -115,10 +115,10 @@ def _perturb(u, cluster, params: Params, masks, knobs):
 
     ``u``: the 4 vector knobs, then ``_CLUSTER_KNOBS``, then the Params ``knobs``.
     """
-    m_peak, m_peak16, m_eff, m_eff16 = masks
+    m_prec, m_16 = masks
     n_c = len(_CLUSTER_KNOBS)
     cu, pu = u[_N_VECTOR : _N_VECTOR + n_c], u[_N_VECTOR + n_c :]
-    peak = cluster.peak_flops * jnp.exp(u[0] * m_peak + u[1] * m_peak16)
+    peak = cluster.peak_flops * jnp.exp(u[0] * m_prec + u[1] * m_16)
     cluster = cluster.replace(
         peak_flops=peak,
         **{
@@ -127,7 +127,7 @@ def _perturb(u, cluster, params: Params, masks, knobs):
         },
     )
     eff_raw = params.gemm_eff_logit
-    eff_raw = eff_raw + (u[2] * m_eff + u[3] * m_eff16) / (1.0 - params.gemm_eff)
+    eff_raw = eff_raw + (u[2] * m_prec + u[3] * m_16) / (1.0 - params.gemm_eff)
     changes = {"gemm_eff_logit": eff_raw}
     for i, (raw, _, kind) in enumerate(knobs):
         r = getattr(params, raw)
@@ -186,9 +186,8 @@ def explain(
     prec = PRECISIONS.index(exp.model.precision)
     peak = np.asarray(cluster.peak_flops, dtype=float)
     eff = np.asarray(params.gemm_eff, dtype=float)
-    m_peak, m_peak16 = _precision_groups(peak, prec)
-    m_eff, m_eff16 = m_peak, m_peak16
-    masks = tuple(np.asarray(m, dtype=dtype) for m in (m_peak, m_peak16, m_eff, m_eff16))
+    m_prec, m_16 = _precision_groups(peak, prec)
+    masks = tuple(np.asarray(m, dtype=dtype) for m in (m_prec, m_16))
     knobs = _param_knobs(params)
     u = np.zeros(_N_VECTOR + len(_CLUSTER_KNOBS) + len(knobs), dtype=dtype)
     out, grad = _run(u, model, plan, cluster, params, masks, knobs=knobs, temperature=temperature)
@@ -203,12 +202,13 @@ def explain(
 
     tflops = 1e-12 * peak
     row("peak_flops", _HARDWARE, f"peak FLOP/s ({prec_name})", tflops[prec], "TFLOP/s", grad[0])
-    if m_peak16.any():
-        v16 = np.max(tflops * m_peak16)
+    half = np.flatnonzero(m_16)  # the one 16-bit entry beside fp8/fp4/fp32 layers, or none
+    if half.size:
+        v16 = tflops[half[0]]
         row("peak_flops_16bit", _HARDWARE, "peak FLOP/s (16-bit)", v16, "TFLOP/s", grad[1])
     row("gemm_eff", _CALIBRATION, f"GEMM efficiency ({prec_name})", 100 * eff[prec], "%", grad[2])
-    if m_eff16.any():
-        v16 = 100.0 * np.max(eff * m_eff16)
+    if half.size:
+        v16 = 100.0 * eff[half[0]]
         row("gemm_eff_16bit", _CALIBRATION, "GEMM efficiency (16-bit)", v16, "%", grad[3])
     for i, (key, name, unit, scale) in enumerate(_CLUSTER_KNOBS):
         value = float(np.asarray(getattr(cluster, key))) * scale
