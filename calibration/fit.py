@@ -70,6 +70,7 @@ PRIOR_SD = {
     "interference": 1.5,
     "optimizer_bytes_per_param": 1.0,
     "iteration_overhead_s": 1.0,
+    "microbatch_overhead_s": 1.0,
 }
 PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
 

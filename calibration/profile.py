@@ -50,6 +50,7 @@ FIELDS = {
     "interference": ("interference_log", "log"),
     "optimizer_bytes_per_param": ("optimizer_log_bytes_per_param", "log"),
     "iteration_overhead_s": ("iteration_overhead_log_s", "log"),
+    "microbatch_overhead_s": ("microbatch_overhead_log_s", "log"),
 }
 DEVICE_FIELDS = (
     "gemm_eff",

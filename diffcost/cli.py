@@ -24,7 +24,7 @@ _PART_LABELS = {
     "dp_comm_s": "data-parallel sync (exposed)",
     "bubble_s": "pipeline bubble",
     "optimizer_s": "optimizer step",
-    "overhead_s": "per-iteration overhead",
+    "overhead_s": "host overhead (iteration, microbatch steps)",
 }
 _MEMORY_PARTS = (
     "weights_bytes",

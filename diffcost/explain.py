@@ -68,6 +68,7 @@ _PARAM_LABELS = {
     "interference_log": ("overlap interference", "%", 100.0),
     "optimizer_log_bytes_per_param": ("optimizer bytes per param", "B", 1.0),
     "iteration_overhead_log_s": ("per-iteration overhead", "ms", 1e3),
+    "microbatch_overhead_log_s": ("per-microbatch overhead", "ms", 1e3),
 }
 _VECTOR_PARAM = "gemm_eff_logit"  # per precision: the vector knobs below
 

@@ -45,6 +45,7 @@ class Params:
     interference_log: jax.Array  # slowdown of compute and comm while they overlap
     optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
     iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
+    microbatch_overhead_log_s: jax.Array  # host time per microbatch on every stage (schedule)
 
     @property
     def gemm_eff(self):
@@ -123,6 +124,10 @@ class Params:
     def iteration_overhead_s(self):
         return jnp.exp(self.iteration_overhead_log_s)
 
+    @property
+    def microbatch_overhead_s(self):
+        return jnp.exp(self.microbatch_overhead_log_s)
+
 
 # Datasheet-style defaults, constrained values. Sources: NVIDIA's published large-GEMM
 # throughput (~75-85% of dense peak for bf16 on A100/H100), nccl-tests bus bandwidth on
@@ -150,6 +155,7 @@ DEFAULTS = {
     "interference": 0.05,
     "optimizer_bytes_per_param": 28.0,
     "iteration_overhead_s": 5e-3,
+    "microbatch_overhead_s": 1e-3,
 }
 
 
@@ -181,4 +187,5 @@ def default_params(dtype=None) -> Params:
         interference_log=f(jnp.log(d["interference"])),
         optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
         iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),
+        microbatch_overhead_log_s=f(jnp.log(d["microbatch_overhead_s"])),
     )

@@ -152,13 +152,15 @@ def problem_for(
     the simulator's uniform plan and ``W_k = fwd_s[k] + bwd_s[k]`` for the stage kinds
     ``k = first, middle, last``:
 
-    * ``layer_s = W_middle / L`` at recompute none; ``recompute_layer_s`` the difference of
+    * ``layer_s = (W_middle - h) / L`` at recompute none, with ``h`` the host step every stage
+      runs per microbatch; ``recompute_layer_s`` the difference of
       ``W_middle / L`` between recompute full and none (one extra forward per layer);
     * ``first_stage_s = W_first - W_middle`` (embedding forward + backward),
       ``last_stage_s = W_last - W_middle`` (LM head, loss and its all-reduce);
     * ``send_s = p2p_s``; ``rest_s`` = exposed DP sync + (sends - ``2 (p - 1) send``, i.e. the
       drain's NIC sharing with DP buckets) + optimizer + overhead of the uniform 1F1B plan,
-      so that ``T`` is an iteration time. It is held constant: in the simulator the DP tail
+      + ``(p + m - 1) h`` (the host step in ``sum W + (m - 1) max W``), so that ``T`` is an
+      iteration time. It is held constant: in the simulator the DP tail
       and the optimizer step scale with the first stage's layers, which this neglects;
     * static memory ``S_k(L)`` = weights + grads + optimizer states of stage kind ``k``:
       ``layer_static_bytes = S_first(L + 1) - S_first(L)`` on a copy of the model without
@@ -214,19 +216,23 @@ def problem_for(
     p = plan_spec.pp
     work, work_rc = terms["work"], terms["work_rc"]
     send = terms["send"]
+    m = terms["n_microbatches"]
+    # The per-microbatch host step is on every stage whatever its layers: it adds the same
+    # ``(p + m - 1) step`` to every partition's time.
+    step = terms["host_step"]
     rest = (
         terms["dp_exposed"]
         + (terms["sends"] - 2.0 * (p - 1) * send)
         + terms["optimizer"]
         + terms["overhead"]
+        + (p + m - 1.0) * step
     )
     static, act, buffers = terms["static"], terms["act"], terms["buffers"]
     static_nv, act_nv, static_more = terms["static_nv"], terms["act_nv"], terms["static_more"]
     layer_static = static_more[0] - static_nv[0]
     act_modes = terms["act_modes"]
-    m = terms["n_microbatches"]
     return PartitionProblem(
-        layer_s=work[1] / per_stage,
+        layer_s=(work[1] - step) / per_stage,
         recompute_layer_s=(work_rc[1] - work[1]) / per_stage,
         first_stage_s=work[0] - work[1],
         last_stage_s=work[2] - work[1],
@@ -274,6 +280,7 @@ def _simulator_terms(model, plan, plan_rc, cluster, params) -> dict:
         send=st.p2p_s,
         optimizer=st.optimizer_s,
         overhead=st.overhead_s,
+        host_step=st.microbatch_overhead_s,
         static=static,
         act=act,
         buffers=buffers,

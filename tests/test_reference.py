@@ -100,6 +100,7 @@ def make_st(
         schedule=a(ONE_HOT[schedule]),
         optimizer_s=a(0.05),
         overhead_s=a(0.01),
+        microbatch_overhead_s=a(0.0),  # only accounting: the host step is inside fwd_s
     )
 
 

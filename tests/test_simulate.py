@@ -172,6 +172,29 @@ def test_16_bit_kernels_follow_one_precision(cluster_name, precision, follows):
     assert rate16(other, 1.1) == rate
 
 
+@pytest.mark.parametrize("name", ["single", "tp4pp2", "gpipe", "3d-interleaved"])
+def test_host_step_runs_once_per_microbatch_on_every_stage(name):
+    """A longer host step per microbatch costs ``m + (p - 1) / v`` steps: ``m`` on the
+    bottleneck stage (reported as overhead) and, in the fill and drain, one per other stage
+    (``1 / v`` with ``v`` interleaved chunks; reported as bubble)."""
+    plan = PLANS[name]
+    m, p, c = arrays(GPT, plan)
+    base = default_params(jnp.float64)
+
+    def run(extra_s):
+        step = base.microbatch_overhead_s + extra_s
+        return simulate(
+            m, p, c, dataclasses.replace(base, microbatch_overhead_log_s=jnp.log(step)), 0.0
+        )
+
+    d = 1e-3
+    a, b = run(0.0), run(d)
+    n, fill = float(p.n_microbatches), (plan.pp - 1) / float(p.chunks)
+    assert float(b.iteration_s - a.iteration_s) == pytest.approx((n + fill) * d, rel=1e-6)
+    assert float(b.overhead_s - a.overhead_s) == pytest.approx(n * d, rel=1e-6)
+    assert float(b.bubble_s - a.bubble_s) == pytest.approx(fill * d, abs=1e-9)
+
+
 def test_dense_model_has_no_expert_traffic():
     for name in PLANS:
         assert float(_run(plan=PLANS[name]).ep_comm_s) == 0.0
