@@ -29,17 +29,16 @@ measurement artefacts). Pure data analysis, no fit: runs in about a second.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import csv
 import itertools
 import json
 import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_rows  # noqa: E402  (a sibling script module, found however this one is loaded)
+
 CHAIN_KEY = (
     "source", "cluster", "model", "n_layers", "hidden", "ffn_hidden", "heads", "kv_heads",
     "seq_len", "vocab", "precision", "framework", "n_gpus", "tp", "pp", "dp", "cp", "ep", "sp",
@@ -148,13 +147,10 @@ def bounds(rows) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--source", default=None, help="one e2e source (default: every source)")
-    ap.add_argument("--data", default=str(DATA), help="shared data directory")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args(argv)
-    with open(Path(args.data) / "e2e" / "calibration.csv", newline="", encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
+    args = e2e_rows.parse(__doc__, argv)
+    rows = e2e_rows.rows(args)
+    if rows is None:
+        return 2
     by_source = collections.defaultdict(list)
     for r in rows:
         by_source[r["source"]].append(r)

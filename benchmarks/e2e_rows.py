@@ -1,0 +1,37 @@
+"""The command line shared by the data analyses of the end-to-end CSV (no fit):
+``--source``, ``--data`` and ``--json``, and the rows they select, with clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def parse(doc: str, argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--source", default=None, help="one e2e source (default: every source)")
+    ap.add_argument("--data", default=str(DATA), help="shared data directory")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    return ap.parse_args(argv)
+
+
+def rows(args: argparse.Namespace) -> list[dict] | None:
+    """The rows of ``DATA/e2e/calibration.csv`` (of ``args.source`` only, if given), or None
+    after printing why there are none to stderr."""
+    path = Path(args.data) / "e2e" / "calibration.csv"
+    if not path.is_file():
+        print(f"error: --data {args.data!r}: no e2e/calibration.csv there", file=sys.stderr)
+        return None
+    with open(path, newline="", encoding="utf-8") as fh:
+        out = list(csv.DictReader(fh))
+    if args.source is None:
+        return out
+    known = sorted({r["source"] for r in out})
+    if args.source not in known:
+        print(f"error: --source {args.source!r}: not in {path}; sources: {known}", file=sys.stderr)
+        return None
+    return [r for r in out if r["source"] == args.source]
