@@ -68,9 +68,11 @@ def test_cells_that_cannot_pin_four_terms_are_skipped():
 
 
 def test_command_line_reports_the_vtrain_cells(capsys):
-    data = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
-    if not (data / "e2e" / "calibration.csv").is_file():
-        pytest.skip("shared data not present")
+    beside = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+    found = [d for d in (beside, Path("/work/shared/data")) if (d / "e2e").is_dir()]
+    if not found:
+        pytest.skip("shared data not present beside the checkout or at /work/shared/data")
+    data = found[0]
     assert lc.main(["--json", "--data", str(data)]) == 0
     assert "vtrain_ground_truth_single" in capsys.readouterr().out
     assert lc.main(["--source", "no-such-source", "--data", str(data)]) == 2
