@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax.numpy as jnp
 
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
 from diffcost.specs import ClusterSpec, GpuSpec, ModelSpec, MoeSpec, PlanSpec
+
+# The shared measurements (../shared/data of the workspace); tests that read them skip without.
+SHARED_DATA = Path("/work/shared/data")
 
 A100 = GpuSpec(
     name="A100-80G",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import SHARED_DATA
 
 from diffcost import config
 from diffcost.config import (
@@ -25,7 +26,7 @@ from diffcost.config import (
 from diffcost.specs import PLACED_DIMS, ClusterSpec, Experiment, ModelSpec, MoeSpec, PlanSpec
 
 CONFIGS = Path(config.__file__).resolve().parent.parent / "configs"
-DATA = Path("/work/shared/data")
+DATA = SHARED_DATA
 
 # Clusters named by the measured data (data/README.md section 4) plus two extra systems.
 REQUIRED_CLUSTERS = {

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SHARED_DATA
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "layer_composition.py"
 _spec = importlib.util.spec_from_file_location("layer_composition", _PATH)
@@ -67,12 +68,9 @@ def test_cells_that_cannot_pin_four_terms_are_skipped():
     assert lc.analyse(few) == {}
 
 
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"shared data not present at {SHARED_DATA}")
 def test_command_line_reports_the_vtrain_cells(capsys):
-    beside = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
-    found = [d for d in (beside, Path("/work/shared/data")) if (d / "e2e").is_dir()]
-    if not found:
-        pytest.skip("shared data not present beside the checkout or at /work/shared/data")
-    data = found[0]
+    data = SHARED_DATA
     assert lc.main(["--json", "--data", str(data)]) == 0
     assert "vtrain_ground_truth_single" in capsys.readouterr().out
     assert lc.main(["--source", "no-such-source", "--data", str(data)]) == 2

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import SHARED_DATA
 
 from calibration.readers import (
     CollectiveRecord,
@@ -31,7 +32,7 @@ GEMM = DATA / "readers_gemm.csv"
 NCCL_AR = DATA / "readers_nccl_all_reduce.txt"
 NCCL_AG = DATA / "readers_nccl_all_gather.log"
 NCCL_SR = DATA / "readers_nccl_sendrecv_2host.txt"
-SHARED = Path("/work/shared/data")
+SHARED = SHARED_DATA
 
 
 def _line_of(path: Path, text: str) -> int:
