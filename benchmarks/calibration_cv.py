@@ -332,7 +332,7 @@ def parameter_names(problem: F.Problem, tables) -> np.ndarray:
             arr = np.asarray(arr)
             a = np.empty(arr.shape, dtype=object)
             for idx in np.ndindex(arr.shape):
-                tail = f"[{idx[1]}]" if arr.ndim > 1 else ""
+                tail = f"[{','.join(map(str, idx[1:]))}]" if arr.ndim > 1 else ""
                 a[idx] = f"{prefix}:{keys[idx[0]]}:{leaf}{tail}"
             out[leaf] = a
         return out
@@ -343,9 +343,10 @@ def parameter_names(problem: F.Problem, tables) -> np.ndarray:
     return np.concatenate([np.asarray(x).ravel() for x in leaves])
 
 
-def hessian_fd(problem_meas: Measurements, tables, cfg: F.FitConfig, h: float = 1e-4):
+def hessian_fd(problem_meas: Measurements, tables, cfg: F.FitConfig, cols, h: float = 1e-4):
     """Hessian of ``make_loss`` (all rows, weight 1) by central differences of ``jax.grad`` in
-    float64; returns (H, flat point, seconds for compile, seconds for the differences)."""
+    float64, restricted to the flat entries ``cols`` (the others held at ``tables``); returns
+    (H, flat point, seconds for compile, seconds for the differences)."""
     with jax.enable_x64(True):
         prob = F.build_problem(problem_meas, dtype=jnp.float64)
         loss_fn = F.make_loss(prob, cfg, dtype=jnp.float64)
@@ -356,18 +357,18 @@ def hessian_fd(problem_meas: Measurements, tables, cfg: F.FitConfig, h: float = 
         compiled = grad.lower(flat, prob.data).compile()
         t_compile = time.perf_counter() - t0
         n = flat.shape[0]
-        H = np.zeros((n, n))
+        H = np.zeros((len(cols), len(cols)))
         t0 = time.perf_counter()
-        for i in range(n):
+        for c, i in enumerate(cols):
             e = jnp.zeros(n, jnp.float64).at[i].set(h)
             gp = np.asarray(compiled(flat + e, prob.data))
             gm = np.asarray(compiled(flat - e, prob.data))
-            H[:, i] = (gp - gm) / (2 * h)
+            H[:, c] = (gp - gm)[cols] / (2 * h)
         t_diff = time.perf_counter() - t0
         return 0.5 * (H + H.T), np.asarray(flat), t_compile, t_diff
 
 
-def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, h: float = 3e-3):
+def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, cols, h: float = 3e-3):
     """Quick variant: central differences of the float32 gradient read back from the Adam
     first moment of one ``fit`` step from a fresh state (``mu = (1 - b1) g``); reuses the
     executable ``fit`` compiled, so no new compile. Returns (H, seconds)."""
@@ -381,12 +382,34 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, h: float = 3
         return np.asarray(ravel_pytree(st[0].mu)[0], float) / (1.0 - 0.9)
 
     n = flat.shape[0]
-    H = np.zeros((n, n))
+    H = np.zeros((len(cols), len(cols)))
     t0 = time.perf_counter()
-    for i in range(n):
+    for c, i in enumerate(cols):
         e = jnp.zeros(n, jnp.float32).at[i].set(h)
-        H[:, i] = (grad(flat + e) - grad(flat - e)) / (2 * h)
+        H[:, c] = (grad(flat + e) - grad(flat - e))[cols] / (2 * h)
     return 0.5 * (H + H.T), time.perf_counter() - t0
+
+
+def grid_coverage(problem: F.Problem, tables) -> dict:
+    """Per GPU family: GEMM shape-grid nodes some row's prediction depends on (touched), and
+    nodes the fit moved (factor off 1 by at least 1%). Every prediction falls as a node's
+    efficiency factor rises, so the gradient of their sum is nonzero exactly at touched nodes."""
+    dev, clu = tables
+
+    def total(grid):
+        logs = F.predict_log({**dev, F.GRID_LEAF: grid}, clu, problem.data, 1e-3)
+        return sum(jnp.sum(v) for v in logs.values())
+
+    g = np.abs(np.asarray(jax.grad(total)(dev[F.GRID_LEAF])))
+    moved = np.abs(np.asarray(dev[F.GRID_LEAF])) >= np.log(1.01)
+    return {
+        fam: {
+            "nodes": int(g[i].size),
+            "touched": int((g[i] > 0).sum()),
+            "moved_1pct": int(moved[i].sum()),
+        }
+        for i, fam in enumerate(problem.families)
+    }
 
 
 def flat_directions(
@@ -845,15 +868,19 @@ def measure(args) -> dict:
 
     # ---- 6. identifiability -------------------------------------------------------------------
     t0 = time.perf_counter()
-    names = parameter_names(P, tab_full)
+    all_names = parameter_names(P, tab_full)
+    # The GEMM shape grid (hundreds of nodes per GPU family) is held at its fit: its coverage
+    # is reported below instead of its Hessian, which would cost two gradients per node.
+    cols = np.flatnonzero([F.GRID_LEAF not in n for n in all_names])
+    names = all_names[cols]
     if args.quick:
-        H, t_hd = hessian_fd_step(weighted(P, w_all), tab_full, cfg)
+        H, t_hd = hessian_fd_step(weighted(P, w_all), tab_full, cfg, cols)
         t_hc = 0.0
         method = "quick: central differences (h=3e-3) of the float32 gradient of fit's step"
     else:
-        H, _, t_hc, t_hd = hessian_fd(meas, tab_full, cfg)
+        H, _, t_hc, t_hd = hessian_fd(meas, tab_full, cfg, cols)
         method = "central differences (h=1e-4) of jax.grad(make_loss), float64"
-    prior_diag = np.asarray(ravel_pytree(F.prior_curvature(P, cfg))[0], float)
+    prior_diag = np.asarray(ravel_pytree(F.prior_curvature(P, cfg))[0], float)[cols]
     assert prior_diag.shape == (len(H),), (prior_diag.shape, H.shape)
     flat = flat_directions(H, names, prior_diag, 1e-6 if args.quick else 1e-9)
     flat["method"] = method
@@ -861,6 +888,7 @@ def measure(args) -> dict:
         lvl: float(np.mean(np.abs(r) < cfg.huber_delta)) for lvl, r in res_full.residuals.items()
     }
     flat["compile_s"], flat["differences_s"] = t_hc, t_hd
+    flat["gemm_shape_grid"] = grid_coverage(P, tab_full)
     timings["hessian_s"] = time.perf_counter() - t0
     say(f"Hessian {len(H)}x{len(H)}: {flat['n_flat']} flat eigenvalues ({t_hc:.0f} s compile)")
 
@@ -1163,6 +1191,14 @@ def print_tables(r: dict) -> None:
         for dd in fd["directions"][:25]:
             comp = ", ".join(f"{p['component']:+.2f} {p['name']}" for p in dd["params"])
             print(f"    {dd['relative']:.1e}: {comp}")
+    grid = fd.get("gemm_shape_grid", {})
+    if grid:
+        print(
+            "  GEMM shape grid (held at its fit above; nodes some row depends on / moved >= 1%): "
+            + ", ".join(
+                f"{k} {v['touched']}/{v['moved_1pct']} of {v['nodes']}" for k, v in grid.items()
+            )
+        )
     print("\n== targets ==")
     for k, v in r["targets"].items():
         ok = "ok" if v["ok"] else "MISSED"

@@ -51,6 +51,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # after the H100 FP8 GEMM tables were dropped (readers.read_gemm_csv): 5.02, 4.65, 4.66%.
 # FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
 # on Hopper, so its odds ratio stays near 1 where no data separates the two kernels.
+# The GEMM shape grid's nodes get 0.3 (a node 30% off the smooth curve is one width away): the
+# data move the nodes they touch and the rest stay at factor 1.
 PRIOR_SD = {
     "gemm_eff": 1.0,
     "gemm_dim_half": 1.5,
@@ -71,6 +73,7 @@ PRIOR_SD = {
     "optimizer_bytes_per_param": 1.0,
     "iteration_overhead_s": 1.0,
     "microbatch_overhead_s": 1.0,
+    "gemm_shape_eff": 0.3,
 }
 PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
 
@@ -132,10 +135,10 @@ def _collective_time(kind, size, group_size, per_node, cluster, params, temperat
     return jnp.sum(kind * times)
 
 
-def _gemm_time(m, n, k, precision, cluster, params, temperature):
+def _gemm_time(m, n, k, precision, cluster, params, log_eff, temperature):
     """One GEMM kernel as the model times it, plus the per-kernel gap."""
     rate = jnp.sum(precision * cluster.peak_flops) * jnp.sum(precision * params.gemm_eff)
-    t = kernels.gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature)
+    t = kernels.gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature, log_eff)
     return t + params.kernel_overhead_s
 
 
@@ -231,6 +234,9 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     return Problem(families=families, clusters=clusters, data=data, counts=counts)
 
 
+GRID_LEAF = "gemm_shape_log_eff"
+
+
 def predict_log(dev_tab, clu_tab, data, temperature):
     """log of predicted times per level (dict level -> array)."""
     out = {}
@@ -248,9 +254,17 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         )
     if "gemm" in data:
         d = data["gemm"]
-        params = assemble(dev_tab, clu_tab, d["d"], d["c"])
+        # the shape grid is read per row from the family's table: gathering a whole grid per
+        # row (thousands of rows) and scattering its gradient back costs more than the fit
+        grid = GRID_LEAF
+        table = dev_tab[grid]
+        log_eff = kernels.shape_log_eff(table, d["m"], d["n"], d["k"], row=d["d"])
+        unread = jnp.zeros((table.shape[0], 1))  # gemm_s gets log_eff, not the grid
+        params = assemble({**dev_tab, grid: unread}, clu_tab, d["d"], d["c"])
         run = jax.vmap(lambda *a: _gemm_time(*a, temperature))
-        out["gemm"] = jnp.log(run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params))
+        out["gemm"] = jnp.log(
+            run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params, log_eff)
+        )
     return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from calibration.readers import gpu_family
-from diffcost.params import Params, default_params
+from diffcost.params import GEMM_GRID, GEMM_GRID_LOG2_LO, Params, default_params
 from diffcost.specs import PRECISIONS, ClusterSpec
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -51,6 +51,7 @@ FIELDS = {
     "optimizer_bytes_per_param": ("optimizer_log_bytes_per_param", "log"),
     "iteration_overhead_s": ("iteration_overhead_log_s", "log"),
     "microbatch_overhead_s": ("microbatch_overhead_log_s", "log"),
+    "gemm_shape_eff": ("gemm_shape_log_eff", "log"),
 }
 DEVICE_FIELDS = (
     "gemm_eff",
@@ -60,6 +61,7 @@ DEVICE_FIELDS = (
     "mem_eff",
     "kernel_overhead_s",
     "reduce_Bps",
+    "gemm_shape_eff",
 )
 CLUSTER_FIELDS = tuple(f for f in FIELDS if f not in DEVICE_FIELDS)
 
@@ -79,13 +81,49 @@ def _from_raw(kind: str, raw):
     return np.exp(r) if kind == "log" else 1.0 / (1.0 + np.exp(-r))
 
 
+# The GEMM shape grid is stored sparsely: "MxNxK" (octave nodes) -> efficiency factor, only the
+# nodes the fit moved; every other node keeps factor 1.
+GRID_FIELD = "gemm_shape_eff"
+_GRID_DIMS = [2 ** (GEMM_GRID_LOG2_LO + i) for i in range(GEMM_GRID)]
+_GRID_KEEP = 1e-4  # |log factor| below this is written as 1 (left out)
+
+
+def _grid_nodes(factors: np.ndarray) -> dict:
+    out = {}
+    for idx in zip(*np.nonzero(np.abs(np.log(factors)) >= _GRID_KEEP)):
+        out["x".join(str(_GRID_DIMS[i]) for i in idx)] = round(float(factors[idx]), 5)
+    return out
+
+
+def _grid_raw(value, where: str) -> np.ndarray:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where} must map 'MxNxK' GEMM shapes to efficiency factors")
+    raw = np.zeros((GEMM_GRID,) * 3)
+    for key, factor in value.items():
+        parts = str(key).split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) in _GRID_DIMS for p in parts):
+            raise ProfileError(
+                f"{where}.{key}: expected 'MxNxK' with each of M, N, K one of "
+                f"{', '.join(map(str, _GRID_DIMS))}"
+            )
+        if not isinstance(factor, int | float) or not np.isfinite(factor) or factor <= 0:
+            raise ProfileError(f"{where}.{key}={factor!r}: the factor must be a number above 0")
+        raw[tuple(_GRID_DIMS.index(int(p)) for p in parts)] = np.log(factor)
+    return raw
+
+
 def to_values(params: Params, fields=tuple(FIELDS)) -> dict:
     """Constrained values of ``fields`` (``gemm_eff`` as a per-precision mapping)."""
     out = {}
     for name in fields:
         leaf, kind = FIELDS[name]
         v = _from_raw(kind, getattr(params, leaf))
-        out[name] = {p: float(x) for p, x in zip(PRECISIONS, v)} if name == "gemm_eff" else float(v)
+        if name == "gemm_eff":
+            out[name] = {p: float(x) for p, x in zip(PRECISIONS, v)}
+        elif name == GRID_FIELD:
+            out[name] = _grid_nodes(v)
+        else:
+            out[name] = float(v)
     return out
 
 
@@ -105,6 +143,8 @@ def apply_values(params: Params, values: dict, where: str = "profile") -> Params
                     raise ProfileError(f"{where}: gemm_eff.{p}: unknown precision")
                 current[PRECISIONS.index(p)] = _to_raw(kind, x)
             raw = current
+        elif name == GRID_FIELD:
+            raw = _grid_raw(value, f"{where}: {name}")
         else:
             raw = _to_raw(kind, value)
         if not np.all(np.isfinite(raw)):

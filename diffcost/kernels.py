@@ -2,7 +2,11 @@
 
 ``time = smooth_max(flops / (peak * eff), bytes / (hbm * mem_eff)) + launch overhead``.
 GEMM efficiency falls for small dimensions as ``d / (d + d_half)`` per dimension (tile and
-wave quantization, smoothed), times a large-GEMM efficiency per precision.
+wave quantization, smoothed), times a large-GEMM efficiency per precision, times a per-shape
+factor read from a grid with one node per octave of m, n and k (``shape_log_eff``). The grid is
+1 everywhere until calibration moves it: real libraries pick a kernel per shape, so measured
+efficiency is jagged in shape where the smooth curve is not (a GEMM table, or runs whose layers
+share a shape, pin the nodes they touch).
 
 References:
     Williams, Waterman & Patterson, "Roofline" (CACM 2009); NVIDIA's GEMM performance guide
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 
 from diffcost import smooth
 from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays
-from diffcost.params import Params
+from diffcost.params import GEMM_GRID_LOG2_LO, Params
 from diffcost.specs import PRECISIONS
 
 _BF16, _FP16 = PRECISIONS.index("bf16"), PRECISIONS.index("fp16")
@@ -42,12 +46,64 @@ def half_peak_flops(model: ModelArrays, cluster: ClusterArrays, params: Params):
     return w_bf16 * bf16 + w_fp16 * fp16 + (1.0 - w_bf16 - w_fp16) * beside
 
 
+def _grid_coord(d, size):
+    x = jnp.clip(jnp.log2(jnp.maximum(d, 1.0)) - GEMM_GRID_LOG2_LO, 0.0, size - 1.0)
+    i = jnp.clip(jnp.floor(x), 0.0, size - 2.0)
+    return i.astype(jnp.int32), x - i
+
+
+def _corners(size, cm, cn, ck, row=None):
+    """Flat indices and weights ``[..., 8]`` of the 8 grid corners around each shape."""
+    (i, a), (j, b), (q, c) = cm, cn, ck
+    base = (i * size + j) * size + q
+    if row is not None:
+        base = base + row.astype(base.dtype) * size**3
+    corners, weights = [], []
+    for di, wi in ((0, 1.0 - a), (1, a)):
+        for dj, wj in ((0, 1.0 - b), (1, b)):
+            for dl, wl in ((0, 1.0 - c), (1, c)):
+                corners.append(base + (di * size + dj) * size + dl)
+                weights.append(wi * wj * wl)
+    return jnp.stack(corners, axis=-1), jnp.stack(weights, axis=-1)
+
+
+def _coords(table, m, n, k, row=None):
+    dims = [jnp.asarray(v, dtype=table.dtype) for v in (m, n, k)]
+    if row is None:
+        m, n, k = jnp.broadcast_arrays(*dims)
+    else:
+        m, n, k, row = jnp.broadcast_arrays(*dims, jnp.asarray(row))
+    return [_grid_coord(v, table.shape[-1]) for v in (m, n, k)], row
+
+
+def shape_log_eff(table, m, n, k, row=None):
+    """Trilinear interpolation of ``table`` (log efficiency factors on octave nodes of m, n, k;
+    clamped at the edges) at GEMM shapes ``(m, n, k)`` (arrays broadcast). With ``row``, the
+    table has a leading axis and each shape reads its own ``table[row]``."""
+    (cm, cn, ck), row = _coords(table, m, n, k, row)
+    idx, w = _corners(table.shape[-1], cm, cn, ck, row)
+    return jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
+
+
+def shape_log_effs(table, m, n, k):
+    """``shape_log_eff`` of GEMMs ``(m, n, k)`` and of their backward GEMMs, dgrad ``(m, k, n)``
+    and wgrad ``(k, n, m)``: one set of grid coordinates and one gather (a prediction is many
+    small operations on the CPU, so fewer of them is faster)."""
+    (cm, cn, ck), _ = _coords(table, m, n, k)
+    size = table.shape[-1]
+    parts = [_corners(size, *c) for c in ((cm, cn, ck), (cm, ck, cn), (ck, cn, cm))]
+    idx = jnp.stack([p[0] for p in parts])
+    w = jnp.stack([p[1] for p in parts])
+    fwd, dgrad, wgrad = jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
+    return fwd, dgrad, wgrad
+
+
 def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):
     """Time of a memory-bound kernel moving ``n_bytes`` through HBM."""
     return n_bytes / (cluster.hbm_Bps * params.mem_eff)
 
 
-def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, temperature):
+def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, temperature, log_eff=None):
     """Time of GEMMs ``(m x k) @ (k x n)`` (arrays broadcast) at ``flops_per_s`` large-GEMM rate.
 
     ``2 m n k / (rate * prod(d / (d + d_half)))`` is written as ``2 prod(d + d_half) / rate``
@@ -56,6 +112,9 @@ def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, tempera
     c = params.gemm_dim_half
     flops = 2.0 * m * n * k
     present = flops / (flops + 1.0)
-    compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present
+    if log_eff is None:
+        log_eff = shape_log_eff(params.gemm_shape_log_eff, m, n, k)
+    shape = jnp.exp(-log_eff)
+    compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present * shape
     io = memory_bound_s(ACT_BYTES * (m * k + k * n + m * n), cluster, params)
     return smooth.smax2(compute, io, temperature)

@@ -13,6 +13,11 @@ from flax import struct
 
 from diffcost.specs import PRECISIONS
 
+# The GEMM shape grid: one node per octave of each GEMM dimension (m, n, k), from 128 to 16384;
+# shapes outside are clamped to the edge nodes.
+GEMM_GRID_LOG2_LO = 7
+GEMM_GRID = 8
+
 
 def _logit(p):
     p = jnp.asarray(p, dtype=float)
@@ -24,7 +29,8 @@ class Params:
     """Calibratable constants (raw, unconstrained leaves).
 
     Efficiencies are fractions of a datasheet peak; latencies and overheads are seconds.
-    ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order.
+    ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order;
+    ``gemm_shape_log_eff`` is a ``GEMM_GRID``-cubed grid over (m, n, k) octaves (all 0: factor 1).
     """
 
     gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
@@ -46,6 +52,7 @@ class Params:
     optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
     iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
     microbatch_overhead_log_s: jax.Array  # host time per microbatch on every stage (schedule)
+    gemm_shape_log_eff: jax.Array  # [G, G, G] log efficiency factor per (m, n, k) octave node
 
     @property
     def gemm_eff(self):
@@ -188,4 +195,5 @@ def default_params(dtype=None) -> Params:
         optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
         iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),
         microbatch_overhead_log_s=f(jnp.log(d["microbatch_overhead_s"])),
+        gemm_shape_log_eff=jnp.zeros((GEMM_GRID,) * 3, dtype=dtype),
     )

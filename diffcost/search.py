@@ -97,7 +97,7 @@ class SearchConfig:
     bound_weight: float = 10.0
     divisibility_weight: float = 0.1
     neighbours: int = 10  # valid degree tuples tried per start when rounding
-    walkers: int = 8  # best rounded plans the local search starts from
+    walkers: int = 12  # best rounded plans the local search starts from
     max_rounds: int = 30
     seed: int = 0
 

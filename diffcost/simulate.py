@@ -214,11 +214,20 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
     rate16 = jnp.maximum(kernels.half_peak_flops(model, cluster, params), 1.0)
     g = workload.layer_gemms(model, plan)
-    gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau))
+    # shape-grid factors of the layer's GEMMs and (last entry) the LM head's, looked up at once
+    t = workload.tokens(model, plan)
+    vocab_local = model.vocab / plan.tp
+    fwd_le, dgrad_le, wgrad_le = kernels.shape_log_effs(
+        params.gemm_shape_log_eff,
+        jnp.append(g.m, t),
+        jnp.append(g.n, vocab_local),
+        jnp.append(g.k, model.hidden),
+    )
+    gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau, fwd_le[:-1]))
     # dgrad (m x n) @ (n x k) and wgrad (k x m) @ (m x n): same FLOPs, transposed shapes.
     gemm_bwd = jnp.sum(
-        kernels.gemm_s(g.m, g.k, g.n, rate, cluster, params, tau)
-        + kernels.gemm_s(g.k, g.n, g.m, rate, cluster, params, tau)
+        kernels.gemm_s(g.m, g.k, g.n, rate, cluster, params, tau, dgrad_le[:-1])
+        + kernels.gemm_s(g.k, g.n, g.m, rate, cluster, params, tau, wgrad_le[:-1])
     )
     attn_flops = workload.attention_flops(model, plan)
     attn_bytes = workload.attention_bytes(model, plan)
@@ -317,17 +326,16 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
 
     # --- stages ------------------------------------------------------------------------------
     layers = model.n_layers / plan.pp
-    t = workload.tokens(model, plan)
     emb_fwd = kernels.memory_bound_s(2.0 * t * model.hidden * ACT_BYTES, cluster, params)
     emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * GRAD_BYTES, cluster, params)
-    vocab_local = model.vocab / plan.tp
     # The LM head is not an FP8/FP4 layer (Megatron-Core's output layer, llm-foundry's tied
     # head and torchtitan's float8 conversion all keep it in 16 bits).
     low = workload.low_precision(model)
     head_rate = low * rate16 + (1.0 - low) * rate
-    head_fwd = kernels.gemm_s(t, vocab_local, model.hidden, head_rate, cluster, params, tau)
-    head_bwd = kernels.gemm_s(t, model.hidden, vocab_local, head_rate, cluster, params, tau) + (
-        kernels.gemm_s(model.hidden, vocab_local, t, head_rate, cluster, params, tau)
+    h = model.hidden
+    head_fwd = kernels.gemm_s(t, vocab_local, h, head_rate, cluster, params, tau, fwd_le[-1])
+    head_bwd = kernels.gemm_s(t, h, vocab_local, head_rate, cluster, params, tau, dgrad_le[-1]) + (
+        kernels.gemm_s(h, vocab_local, t, head_rate, cluster, params, tau, wgrad_le[-1])
     )
     logits = t * vocab_local
     loss_fwd = kernels.memory_bound_s(LOSS_FWD_BYTES_PER_LOGIT * logits, cluster, params)

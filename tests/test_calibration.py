@@ -9,10 +9,12 @@ import pytest
 
 from calibration import fit as fit_mod
 from calibration import profile as prof
-from calibration.readers import CollectiveRecord, Measurements, Source
+from calibration.readers import FAMILY_CLUSTER, CollectiveRecord, GemmRecord, Measurements, Source
+from diffcost import kernels
 from diffcost.arrays import cluster_arrays
 from diffcost.config import load_cluster
-from diffcost.params import default_params
+from diffcost.params import GEMM_GRID, GEMM_GRID_LOG2_LO, default_params
+from diffcost.specs import PRECISIONS
 
 CLUSTER = "vtrain-a100"
 TRUE_NVLINK_EFF = 0.6
@@ -172,3 +174,101 @@ def test_calibrate_command_writes_a_profile_and_reports_before_after(tmp_path, c
     assert summary["written"] == [str(out)]
     values = prof._read(out)["constants"]
     assert values["nvlink_eff"] == pytest.approx(summary["cluster"]["dgx-h100"]["nvlink_eff"])
+
+
+# --- the GEMM shape grid ------------------------------------------------------------------------
+
+
+def _grid_with(node, value, families=None):
+    grid = jnp.zeros((GEMM_GRID,) * 3).at[node].set(value)
+    return (
+        grid if families is None else jnp.stack([jnp.zeros_like(grid)] * families).at[-1].set(grid)
+    )
+
+
+def test_shape_grid_interpolates_between_octave_nodes_and_clamps():
+    dims = [2 ** (GEMM_GRID_LOG2_LO + i) for i in range(GEMM_GRID)]
+    grid = _grid_with((3, 4, 5), 0.4)
+    at = lambda m, n, k: float(kernels.shape_log_eff(grid, m, n, k))  # noqa: E731
+    assert at(dims[3], dims[4], dims[5]) == pytest.approx(0.4)
+    # halfway (in log2) to the next node along one dimension, and along all three
+    assert at(dims[3] * 2**0.5, dims[4], dims[5]) == pytest.approx(0.2, abs=1e-6)
+    assert at(*(d * 2**0.5 for d in (dims[3], dims[4], dims[5]))) == pytest.approx(0.05, abs=1e-6)
+    assert at(dims[3], dims[4], dims[6]) == pytest.approx(0.0, abs=1e-9)
+    # shapes past the edge nodes read the edge
+    edge = _grid_with((0, GEMM_GRID - 1, 0), -0.3)
+    assert float(kernels.shape_log_eff(edge, 1.0, 1e9, 0.0)) == pytest.approx(-0.3)
+    # one table per row (the fit's layout) gives each row its own table's value
+    rows = _grid_with((3, 4, 5), 0.4, families=2)
+    got = kernels.shape_log_eff(rows, dims[3], dims[4], dims[5], row=jnp.array([0, 1]))
+    np.testing.assert_allclose(got, [0.0, 0.4], atol=1e-7)
+
+
+def test_shape_grid_scales_compute_time_only_and_defaults_to_one():
+    p0 = default_params()
+    cluster = cluster_arrays(load_cluster(CLUSTER))
+    rate = 1e14
+    m, n, k = 4096.0, 4096.0, 4096.0
+    plain = float(kernels.gemm_s(m, n, k, rate, cluster, p0, 1e-6))
+    assert float(kernels.gemm_s(m, n, k, rate, cluster, p0, 1e-6, log_eff=0.0)) == plain
+    node = tuple(int(np.log2(d)) - GEMM_GRID_LOG2_LO for d in (m, n, k))
+    faster = p0.replace(gemm_shape_log_eff=_grid_with(node, np.log(2.0)))
+    assert float(kernels.gemm_s(m, n, k, rate, cluster, faster, 1e-6)) == pytest.approx(
+        plain / 2, rel=1e-3
+    )
+    # gradients stay finite for an absent (zero-size) GEMM
+    g = jax.grad(
+        lambda t, d: kernels.gemm_s(d, n, k, rate, cluster, p0.replace(gemm_shape_log_eff=t), 1e-6),
+        argnums=(0, 1),
+    )(p0.gemm_shape_log_eff, 0.0)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
+
+
+def test_fit_learns_a_slow_gemm_shape():
+    """A synthetic GEMM table, made by the model, in which one shape runs 30% slower: the fit
+    lowers that node's efficiency and leaves the others near 1."""
+    cluster_name = FAMILY_CLUSTER["h100"]
+    cluster = cluster_arrays(load_cluster(cluster_name))
+    p0 = default_params()
+    prec = jnp.eye(len(PRECISIONS))[PRECISIONS.index("bf16")]
+    slow = (1024, 2048, 4096)
+    records = []
+    for m in (512, 1024, 2048):
+        for n in (1024, 2048, 4096):
+            for k in (2048, 4096, 8192):
+                t = float(fit_mod._gemm_time(m, n, k, prec, cluster, p0, 0.0, 1e-3))
+                records.append(
+                    GemmRecord(
+                        "h100",
+                        1,
+                        m,
+                        n,
+                        k,
+                        "bf16",
+                        t * (1.3 if (m, n, k) == slow else 1.0),
+                        Source("synthetic", len(records) + 2),
+                    )
+                )
+    meas = Measurements(e2e=[], collectives=[], gemms=records, skipped=[])
+    result = fit_mod.fit(meas, fit_mod.FitConfig(steps=300, tol=-1.0), progress=False)
+    nodes = result.device_values["h100"]["gemm_shape_eff"]
+    assert nodes["x".join(map(str, slow))] == pytest.approx(1 / 1.3, rel=0.05)
+    others = [v for key, v in nodes.items() if key != "x".join(map(str, slow))]
+    assert max(abs(np.log(v)) for v in others) < 0.05
+    assert np.max(np.abs(result.residuals["gemm"])) < 0.02
+
+
+def test_shape_grid_profile_round_trip_and_errors(tmp_path):
+    p0 = default_params()
+    moved = p0.replace(gemm_shape_log_eff=_grid_with((1, 2, 3), np.log(0.8)))
+    values = prof.to_values(moved, ("gemm_shape_eff",))
+    assert values == {"gemm_shape_eff": {"256x512x1024": pytest.approx(0.8)}}
+    back = prof.apply_values(p0, values)
+    np.testing.assert_allclose(back.gemm_shape_log_eff, moved.gemm_shape_log_eff, atol=1e-6)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("constants: {gemm_shape_eff: {'1000x512x1024': 0.9}}\n")
+    with pytest.raises(prof.ProfileError, match=r"gemm_shape_eff\.1000x512x1024: expected 'MxNxK'"):
+        prof.params_for(load_cluster(CLUSTER), bad)
+    bad.write_text("constants: {gemm_shape_eff: {'256x512x1024': 0}}\n")
+    with pytest.raises(prof.ProfileError, match="must be a number above 0"):
+        prof.params_for(load_cluster(CLUSTER), bad)
