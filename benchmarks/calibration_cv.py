@@ -26,7 +26,9 @@ Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data`
 5. ``robustness``: 10% of one fold's training e2e rows have their measured time multiplied by
    3 (fixed seed); held-out MAPE of that fold's vTrain rows, clean vs corrupted.
 6. ``flat_directions``: eigen-decomposition of the Hessian of ``calibration.fit.make_loss`` at
-   the full fit's optimum with respect to the flattened trainable tables. The prior adds exactly
+   the full fit's optimum with respect to the flattened scalar constants (the GEMM shape grid is
+   held at its fit; ``gemm_shape_grid`` gives, per GPU family, the nodes some row depends on and
+   the nodes the fit moved by 1% or more). The prior adds exactly
    the diagonal ``calibration.fit.prior_curvature`` (``2 prior_weight / PRIOR_SD^2``); the data
    part ``H`` minus that diagonal is what the measurements pin down.
    Its eigenvalues below 1e-6 x the largest are flat; the constants dominating them are listed.
