@@ -26,7 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from calibration.profile import CLUSTER_FIELDS, DEVICE_FIELDS, FIELDS, gpu_family, to_values
+from calibration.profile import (
+    CLUSTER_FIELDS,
+    DEVICE_FIELDS,
+    FIELDS,
+    GRID_FIELD,
+    gpu_family,
+    to_values,
+)
 from calibration.readers import FAMILY_CLUSTER, Measurements
 from diffcost import comm, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
@@ -234,7 +241,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     return Problem(families=families, clusters=clusters, data=data, counts=counts)
 
 
-GRID_LEAF = "gemm_shape_log_eff"
+GRID_LEAF = FIELDS[GRID_FIELD][0]  # the GEMM shape grid's raw leaf
 
 
 def predict_log(dev_tab, clu_tab, data, temperature):
@@ -254,13 +261,12 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         )
     if "gemm" in data:
         d = data["gemm"]
-        # the shape grid is read per row from the family's table: gathering a whole grid per
-        # row (thousands of rows) and scattering its gradient back costs more than the fit
-        grid = GRID_LEAF
-        table = dev_tab[grid]
+        # Each row reads its family's shape grid in place: a copy of the grid per row (thousands
+        # of rows) and the scatter of its gradient back tripled the step time.
+        table = dev_tab[GRID_LEAF]
         log_eff = kernels.shape_log_eff(table, d["m"], d["n"], d["k"], row=d["d"])
         unread = jnp.zeros((table.shape[0], 1))  # gemm_s gets log_eff, not the grid
-        params = assemble({**dev_tab, grid: unread}, clu_tab, d["d"], d["c"])
+        params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
         run = jax.vmap(lambda *a: _gemm_time(*a, temperature))
         out["gemm"] = jnp.log(
             run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params, log_eff)
