@@ -27,9 +27,9 @@ Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data`
    3 (fixed seed); held-out MAPE of that fold's vTrain rows, clean vs corrupted.
 6. ``flat_directions``: eigen-decomposition of the Hessian of ``calibration.fit.make_loss`` at
    the full fit's optimum with respect to the flattened scalar constants (the GEMM shape grid is
-   held at its fit; ``gemm_shape_grid`` gives, per GPU family, the nodes some row depends on and
-   the nodes the fit moved by 1% or more). The prior adds exactly
-   the diagonal ``calibration.fit.prior_curvature`` (``2 prior_weight / PRIOR_SD^2``); the data
+   held at its fit; ``gemm_shape_grid`` gives, per GPU family and precision class, the nodes
+   some row depends on and the nodes the fit moved by 1% or more). The prior adds exactly the
+   diagonal ``calibration.fit.prior_curvature`` (``2 prior_weight / PRIOR_SD^2``); the data
    part ``H`` minus that diagonal is what the measurements pin down.
    Its eigenvalues below 1e-6 x the largest are flat; the constants dominating them are listed.
    The Hessian is taken by central differences of the exact gradient (``jax.grad``) in float64
@@ -72,7 +72,7 @@ from jax.flatten_util import ravel_pytree  # noqa: E402
 from calibration import fit as F  # noqa: E402
 from calibration.readers import Measurements, gpu_family, load  # noqa: E402
 from diffcost.config import load_cluster  # noqa: E402
-from diffcost.params import default_params  # noqa: E402
+from diffcost.params import GEMM_GRID_CLASSES, default_params  # noqa: E402
 from diffcost.specs import PRECISIONS  # noqa: E402
 from diffcost.validate import kendall_tau  # noqa: E402
 
@@ -393,7 +393,8 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, cols, h: flo
 
 
 def grid_coverage(problem: F.Problem, tables) -> dict:
-    """Per GPU family: GEMM shape-grid nodes some row's prediction depends on (touched), and
+    """Per GPU family and precision class ("a100 high"; classes no row reads are left out):
+    GEMM shape-grid nodes some row's prediction depends on (touched), and
     nodes the fit moved (factor off 1 by at least 1%). Every prediction falls as a node's
     efficiency factor rises, so the gradient of their sum is nonzero exactly at touched nodes."""
     dev, clu = tables
@@ -405,12 +406,14 @@ def grid_coverage(problem: F.Problem, tables) -> dict:
     g = np.abs(np.asarray(jax.grad(total)(dev[F.GRID_LEAF])))
     moved = np.abs(np.asarray(dev[F.GRID_LEAF])) >= np.log(1.01)
     return {
-        fam: {
-            "nodes": int(g[i].size),
-            "touched": int((g[i] > 0).sum()),
-            "moved_1pct": int(moved[i].sum()),
+        f"{fam} {cls}": {
+            "nodes": int(g[i, c].size),
+            "touched": int((g[i, c] > 0).sum()),
+            "moved_1pct": int(moved[i, c].sum()),
         }
         for i, fam in enumerate(problem.families)
+        for c, cls in enumerate(GEMM_GRID_CLASSES)
+        if (g[i, c] > 0).any()
     }
 
 

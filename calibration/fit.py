@@ -39,9 +39,10 @@ from diffcost import comm, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
 from diffcost.config import load_cluster
-from diffcost.params import Params, default_params
+from diffcost.params import GEMM_GRID_CLASSES, Params, default_params
 from diffcost.simulate import simulate
 from diffcost.specs import PRECISIONS
+from diffcost.workload import LOW_PRECISIONS
 
 FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -233,6 +234,14 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             "cluster": stack([s[1] for s in specs]),
             "d": np.array([idx(families, g.gpu) for g in gemms]),
             "c": np.array([idx(clusters, FAMILY_CLUSTER[g.gpu]) for g in gemms]),
+            # the shape grid each row reads: its family's, of its precision class
+            "grid": np.array(
+                [
+                    idx(families, g.gpu) * len(GEMM_GRID_CLASSES)
+                    + GEMM_GRID_CLASSES.index("low" if g.precision in LOW_PRECISIONS else "high")
+                    for g in gemms
+                ]
+            ),
             "log_meas": np.log(np.array([g.time_s for g in gemms], dtype=float)),
         }
     cast = lambda x: jnp.asarray(x, dtype) if np.asarray(x).dtype.kind == "f" else jnp.asarray(x)  # noqa: E731
@@ -263,8 +272,9 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         d = data["gemm"]
         # Each row reads its family's shape grid in place: a copy of the grid per row (thousands
         # of rows) and the scatter of its gradient back tripled the step time.
-        table = dev_tab[GRID_LEAF]
-        log_eff = kernels.shape_log_eff(table, d["m"], d["n"], d["k"], row=d["d"])
+        table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
+        flat = table.reshape((-1,) + table.shape[2:])
+        log_eff = kernels.shape_log_eff(flat, d["m"], d["n"], d["k"], row=d["grid"])
         unread = jnp.zeros((table.shape[0], 1))  # gemm_s gets log_eff, not the grid
         params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
         run = jax.vmap(lambda *a: _gemm_time(*a, temperature))

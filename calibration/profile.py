@@ -25,7 +25,13 @@ import numpy as np
 import yaml
 
 from calibration.readers import gpu_family
-from diffcost.params import GEMM_GRID, GEMM_GRID_LOG2_LO, Params, default_params
+from diffcost.params import (
+    GEMM_GRID,
+    GEMM_GRID_CLASSES,
+    GEMM_GRID_LOG2_LO,
+    Params,
+    default_params,
+)
 from diffcost.specs import PRECISIONS, ClusterSpec
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -81,8 +87,8 @@ def _from_raw(kind: str, raw):
     return np.exp(r) if kind == "log" else 1.0 / (1.0 + np.exp(-r))
 
 
-# The GEMM shape grid is stored sparsely: "MxNxK" (octave nodes) -> efficiency factor, only the
-# nodes the fit moved; every other node keeps factor 1.
+# The GEMM shape grids are stored sparsely, per precision class: {"high" | "low": {"MxNxK"
+# (octave nodes): efficiency factor}}, only the nodes the fit moved; every other node keeps 1.
 GRID_FIELD = "gemm_shape_eff"
 _GRID_DIMS = [2 ** (GEMM_GRID_LOG2_LO + i) for i in range(GEMM_GRID)]
 _GRID_KEEP = 1e-4  # |log factor| below this is written as 1 (left out)
@@ -90,25 +96,38 @@ _GRID_KEEP = 1e-4  # |log factor| below this is written as 1 (left out)
 
 def _grid_nodes(factors: np.ndarray) -> dict:
     out = {}
-    for idx in zip(*np.nonzero(np.abs(np.log(factors)) >= _GRID_KEEP)):
-        out["x".join(str(_GRID_DIMS[i]) for i in idx)] = round(float(factors[idx]), 5)
+    for c, name in enumerate(GEMM_GRID_CLASSES):
+        nodes = {}
+        for idx in zip(*np.nonzero(np.abs(np.log(factors[c])) >= _GRID_KEEP)):
+            nodes["x".join(str(_GRID_DIMS[i]) for i in idx)] = round(float(factors[c][idx]), 5)
+        if nodes:
+            out[name] = nodes
     return out
 
 
 def _grid_raw(value, where: str) -> np.ndarray:
+    classes = ", ".join(GEMM_GRID_CLASSES)
     if not isinstance(value, dict):
-        raise ProfileError(f"{where} must map 'MxNxK' GEMM shapes to efficiency factors")
-    raw = np.zeros((GEMM_GRID,) * 3)
-    for key, factor in value.items():
-        parts = str(key).split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) in _GRID_DIMS for p in parts):
-            raise ProfileError(
-                f"{where}.{key}: expected 'MxNxK' with each of M, N, K one of "
-                f"{', '.join(map(str, _GRID_DIMS))}"
-            )
-        if not isinstance(factor, int | float) or not np.isfinite(factor) or factor <= 0:
-            raise ProfileError(f"{where}.{key}={factor!r}: the factor must be a number above 0")
-        raw[tuple(_GRID_DIMS.index(int(p)) for p in parts)] = np.log(factor)
+        raise ProfileError(f"{where} must map precision classes ({classes}) to GEMM shapes")
+    raw = np.zeros((len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3)
+    for name, nodes in value.items():
+        if name not in GEMM_GRID_CLASSES:
+            raise ProfileError(f"{where}.{name}: unknown precision class (known: {classes})")
+        if not isinstance(nodes, dict):
+            raise ProfileError(f"{where}.{name} must map 'MxNxK' GEMM shapes to factors")
+        c = GEMM_GRID_CLASSES.index(name)
+        for key, factor in nodes.items():
+            parts = str(key).split("x")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) in _GRID_DIMS for p in parts):
+                raise ProfileError(
+                    f"{where}.{name}.{key}: expected 'MxNxK' with each of M, N, K one of "
+                    f"{', '.join(map(str, _GRID_DIMS))}"
+                )
+            if not isinstance(factor, int | float) or not np.isfinite(factor) or factor <= 0:
+                raise ProfileError(
+                    f"{where}.{name}.{key}={factor!r}: the factor must be a number above 0"
+                )
+            raw[(c,) + tuple(_GRID_DIMS.index(int(p)) for p in parts)] = np.log(factor)
     return raw
 
 

@@ -3,10 +3,11 @@
 ``time = smooth_max(flops / (peak * eff), bytes / (hbm * mem_eff)) + launch overhead``.
 GEMM efficiency falls for small dimensions as ``d / (d + d_half)`` per dimension (tile and
 wave quantization, smoothed), times a large-GEMM efficiency per precision, times a per-shape
-factor read from a grid with one node per octave of m, n and k (``shape_log_eff``). The grid is
-1 everywhere until calibration moves it: real libraries pick a kernel per shape, so measured
-efficiency is jagged in shape where the smooth curve is not (a GEMM table, or runs whose layers
-share a shape, pin the nodes they touch).
+factor read from a grid with one node per octave of m, n and k (``shape_log_eff``), one grid per
+precision class (16 and 32 bits; FP8 and FP4). The grid is 1 everywhere until calibration moves
+it: real libraries pick a kernel per shape and operand type, so measured efficiency is jagged in
+shape where the smooth curve is not (a GEMM table, or runs whose layers share a shape, pin the
+nodes they touch).
 
 References:
     Williams, Waterman & Patterson, "Roofline" (CACM 2009); NVIDIA's GEMM performance guide
@@ -85,17 +86,25 @@ def shape_log_eff(table, m, n, k, row=None):
     return jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
 
 
-def shape_log_effs(table, m, n, k):
+def shape_log_effs(table, m, n, k, row=None):
     """``shape_log_eff`` of GEMMs ``(m, n, k)`` and of their backward GEMMs, dgrad ``(m, k, n)``
     and wgrad ``(k, n, m)``: one set of grid coordinates and one gather (a prediction is many
-    small operations on the CPU, so fewer of them is faster)."""
-    (cm, cn, ck), _ = _coords(table, m, n, k)
+    small operations on the CPU, so fewer of them is faster). ``row`` as in ``shape_log_eff``."""
+    (cm, cn, ck), row = _coords(table, m, n, k, row)
     size = table.shape[-1]
-    parts = [_corners(size, *c) for c in ((cm, cn, ck), (cm, ck, cn), (ck, cn, cm))]
+    parts = [_corners(size, *c, row) for c in ((cm, cn, ck), (cm, ck, cn), (ck, cn, cm))]
     idx = jnp.stack([p[0] for p in parts])
     w = jnp.stack([p[1] for p in parts])
     fwd, dgrad, wgrad = jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
     return fwd, dgrad, wgrad
+
+
+def class_tables(table, low):
+    """Grids ``[2, G, G, G]`` of a model whose layer GEMMs are ``low`` precision (1: FP8/FP4,
+    0: 16 bits, in between when relaxed): its layers' grid and the 16-bit grid of its LM head
+    (the head stays in 16 bits). ``table`` is ``Params.gemm_shape_log_eff``, classes first."""
+    high, low_grid = table[0], table[1]
+    return jnp.stack([high + low * (low_grid - high), high])
 
 
 def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):
@@ -104,7 +113,8 @@ def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):
 
 
 def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, temperature, log_eff=None):
-    """Time of GEMMs ``(m x k) @ (k x n)`` (arrays broadcast) at ``flops_per_s`` large-GEMM rate.
+    """Time of GEMMs ``(m x k) @ (k x n)`` (arrays broadcast) at ``flops_per_s`` large-GEMM rate;
+    ``log_eff`` is their shape-grid factor (default: read from the 16-bit grid).
 
     ``2 m n k / (rate * prod(d / (d + d_half)))`` is written as ``2 prod(d + d_half) / rate``
     so it stays finite for a zero dimension; a zero-size GEMM costs nothing.
@@ -112,8 +122,8 @@ def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, tempera
     c = params.gemm_dim_half
     flops = 2.0 * m * n * k
     present = flops / (flops + 1.0)
-    if log_eff is None:
-        log_eff = shape_log_eff(params.gemm_shape_log_eff, m, n, k)
+    if log_eff is None:  # the 16-bit grid
+        log_eff = shape_log_eff(params.gemm_shape_log_eff, m, n, k, row=0)
     shape = jnp.exp(-log_eff)
     compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present * shape
     io = memory_bound_s(ACT_BYTES * (m * k + k * n + m * n), cluster, params)

@@ -17,6 +17,10 @@ from diffcost.specs import PRECISIONS
 # shapes outside are clamped to the edge nodes.
 GEMM_GRID_LOG2_LO = 7
 GEMM_GRID = 8
+# One grid per precision class: cuBLAS picks different kernels (tiles, pipelines) for 16-bit and
+# for FP8/FP4 operands, so a shape that is slow in one need not be in the other. "high" holds
+# fp32, bf16 and fp16 GEMMs, "low" FP8 and FP4 ones (``workload.low_precision``).
+GEMM_GRID_CLASSES = ("high", "low")
 
 
 def _logit(p):
@@ -30,7 +34,8 @@ class Params:
 
     Efficiencies are fractions of a datasheet peak; latencies and overheads are seconds.
     ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order;
-    ``gemm_shape_log_eff`` is a ``GEMM_GRID``-cubed grid over (m, n, k) octaves (all 0: factor 1).
+    ``gemm_shape_log_eff`` holds, per class of ``GEMM_GRID_CLASSES``, a ``GEMM_GRID``-cubed grid
+    over (m, n, k) octaves (all 0: factor 1).
     """
 
     gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
@@ -52,7 +57,7 @@ class Params:
     optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
     iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
     microbatch_overhead_log_s: jax.Array  # host time per microbatch on every stage (schedule)
-    gemm_shape_log_eff: jax.Array  # [G, G, G] log efficiency factor per (m, n, k) octave node
+    gemm_shape_log_eff: jax.Array  # [C, G, G, G] log efficiency per precision class and octave node
 
     @property
     def gemm_eff(self):
@@ -195,5 +200,5 @@ def default_params(dtype=None) -> Params:
         optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
         iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),
         microbatch_overhead_log_s=f(jnp.log(d["microbatch_overhead_s"])),
-        gemm_shape_log_eff=jnp.zeros((GEMM_GRID,) * 3, dtype=dtype),
+        gemm_shape_log_eff=jnp.zeros((len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3, dtype=dtype),
     )

@@ -214,14 +214,17 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
     rate16 = jnp.maximum(kernels.half_peak_flops(model, cluster, params), 1.0)
     g = workload.layer_gemms(model, plan)
-    # shape-grid factors of the layer's GEMMs and (last entry) the LM head's, looked up at once
+    # shape-grid factors of the layer's GEMMs (their precision's grid) and, last entry, the LM
+    # head's (16-bit grid), looked up at once
     t = workload.tokens(model, plan)
     vocab_local = model.vocab / plan.tp
+    low = workload.low_precision(model)
     fwd_le, dgrad_le, wgrad_le = kernels.shape_log_effs(
-        params.gemm_shape_log_eff,
+        kernels.class_tables(params.gemm_shape_log_eff, low),
         jnp.append(g.m, t),
         jnp.append(g.n, vocab_local),
         jnp.append(g.k, model.hidden),
+        row=jnp.append(jnp.zeros_like(g.m, dtype=jnp.int32), 1),
     )
     gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau, fwd_le[:-1]))
     # dgrad (m x n) @ (n x k) and wgrad (k x m) @ (m x n): same FLOPs, transposed shapes.
@@ -330,7 +333,6 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * GRAD_BYTES, cluster, params)
     # The LM head is not an FP8/FP4 layer (Megatron-Core's output layer, llm-foundry's tied
     # head and torchtitan's float8 conversion all keep it in 16 bits).
-    low = workload.low_precision(model)
     head_rate = low * rate16 + (1.0 - low) * rate
     h = model.hidden
     head_fwd = kernels.gemm_s(t, vocab_local, h, head_rate, cluster, params, tau, fwd_le[-1])

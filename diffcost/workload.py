@@ -40,7 +40,8 @@ _ELEMENTWISE_PASSES_H = 2 * 2.0 + 2 * 4.0
 # element of the forward inputs and, in backward, of the output gradients. Weights are cast once
 # per iteration (cached across microbatches) and are left out.
 _CAST_BYTES_PER_ELEMENT = 2.0 + 1.0 + 1.0
-_LOW_PRECISIONS = (PRECISIONS.index("fp8"), PRECISIONS.index("fp4"))
+LOW_PRECISIONS = ("fp8", "fp4")  # GEMM operand types narrower than 16 bits
+_LOW = tuple(PRECISIONS.index(p) for p in LOW_PRECISIONS)
 # Kernels launched by one layer's forward (norms, GEMMs, attention, activation, residuals).
 KERNELS_PER_LAYER_FWD = 12.0
 # Framework ops the host dispatches for one layer's forward in eager PyTorch (Megatron's GPT
@@ -134,7 +135,7 @@ def elementwise_bytes(model: ModelArrays, plan: PlanArrays):
 
 def low_precision(model: ModelArrays):
     """1 when the layer GEMMs run in FP8/FP4 (0 in 16 or 32 bits, in between when relaxed)."""
-    return sum(model.precision[i] for i in _LOW_PRECISIONS)
+    return sum(model.precision[i] for i in _LOW)
 
 
 def cast_bytes(model: ModelArrays, g: Gemms):

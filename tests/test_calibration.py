@@ -13,7 +13,7 @@ from calibration.readers import FAMILY_CLUSTER, CollectiveRecord, GemmRecord, Me
 from diffcost import kernels
 from diffcost.arrays import cluster_arrays
 from diffcost.config import load_cluster
-from diffcost.params import GEMM_GRID, GEMM_GRID_LOG2_LO, default_params
+from diffcost.params import GEMM_GRID, GEMM_GRID_CLASSES, GEMM_GRID_LOG2_LO, default_params
 from diffcost.specs import PRECISIONS
 
 CLUSTER = "vtrain-a100"
@@ -186,6 +186,13 @@ def _grid_with(node, value, families=None):
     )
 
 
+def _classes(high=None, low=None):
+    """``Params.gemm_shape_log_eff`` from a 16-bit and an FP8/FP4 grid (None: all zero)."""
+    zero = jnp.zeros((GEMM_GRID,) * 3)
+    grids = {"high": zero if high is None else high, "low": zero if low is None else low}
+    return jnp.stack([grids[c] for c in GEMM_GRID_CLASSES])
+
+
 def test_shape_grid_interpolates_between_octave_nodes_and_clamps():
     dims = [2 ** (GEMM_GRID_LOG2_LO + i) for i in range(GEMM_GRID)]
     grid = _grid_with((3, 4, 5), 0.4)
@@ -212,10 +219,13 @@ def test_shape_grid_scales_compute_time_only_and_defaults_to_one():
     plain = float(kernels.gemm_s(m, n, k, rate, cluster, p0, 1e-6))
     assert float(kernels.gemm_s(m, n, k, rate, cluster, p0, 1e-6, log_eff=0.0)) == plain
     node = tuple(int(np.log2(d)) - GEMM_GRID_LOG2_LO for d in (m, n, k))
-    faster = p0.replace(gemm_shape_log_eff=_grid_with(node, np.log(2.0)))
+    faster = p0.replace(gemm_shape_log_eff=_classes(high=_grid_with(node, np.log(2.0))))
     assert float(kernels.gemm_s(m, n, k, rate, cluster, faster, 1e-6)) == pytest.approx(
         plain / 2, rel=1e-3
     )
+    # the default reads the 16-bit grid, not the FP8/FP4 one
+    other = p0.replace(gemm_shape_log_eff=_classes(low=_grid_with(node, np.log(2.0))))
+    assert float(kernels.gemm_s(m, n, k, rate, cluster, other, 1e-6)) == plain
     # gradients stay finite for an absent (zero-size) GEMM
     g = jax.grad(
         lambda t, d: kernels.gemm_s(d, n, k, rate, cluster, p0.replace(gemm_shape_log_eff=t), 1e-6),
@@ -225,50 +235,61 @@ def test_shape_grid_scales_compute_time_only_and_defaults_to_one():
 
 
 def test_fit_learns_a_slow_gemm_shape():
-    """A synthetic GEMM table, made by the model, in which one shape runs 30% slower: the fit
-    lowers that node's efficiency and leaves the others near 1."""
+    """A synthetic GEMM table, made by the model, in which one bf16 shape runs 30% slower: the
+    fit lowers that node of the 16-bit grid, leaves its other nodes near 1, and leaves the FP8
+    grid (the same shapes at their modelled FP8 times) near 1 everywhere."""
     cluster_name = FAMILY_CLUSTER["h100"]
     cluster = cluster_arrays(load_cluster(cluster_name))
     p0 = default_params()
-    prec = jnp.eye(len(PRECISIONS))[PRECISIONS.index("bf16")]
     slow = (1024, 2048, 4096)
     records = []
-    for m in (512, 1024, 2048):
-        for n in (1024, 2048, 4096):
-            for k in (2048, 4096, 8192):
-                t = float(fit_mod._gemm_time(m, n, k, prec, cluster, p0, 0.0, 1e-3))
-                records.append(
-                    GemmRecord(
-                        "h100",
-                        1,
-                        m,
-                        n,
-                        k,
-                        "bf16",
-                        t * (1.3 if (m, n, k) == slow else 1.0),
-                        Source("synthetic", len(records) + 2),
+    for precision in ("bf16", "fp8"):
+        prec = jnp.eye(len(PRECISIONS))[PRECISIONS.index(precision)]
+        for m in (512, 1024, 2048):
+            for n in (1024, 2048, 4096):
+                for k in (2048, 4096, 8192):
+                    t = float(fit_mod._gemm_time(m, n, k, prec, cluster, p0, 0.0, 1e-3))
+                    slower = (m, n, k) == slow and precision == "bf16"
+                    records.append(
+                        GemmRecord(
+                            "h100",
+                            1,
+                            m,
+                            n,
+                            k,
+                            precision,
+                            t * (1.3 if slower else 1.0),
+                            Source("synthetic", len(records) + 2),
+                        )
                     )
-                )
     meas = Measurements(e2e=[], collectives=[], gemms=records, skipped=[])
     result = fit_mod.fit(meas, fit_mod.FitConfig(steps=300, tol=-1.0), progress=False)
-    nodes = result.device_values["h100"]["gemm_shape_eff"]
-    assert nodes["x".join(map(str, slow))] == pytest.approx(1 / 1.3, rel=0.05)
-    others = [v for key, v in nodes.items() if key != "x".join(map(str, slow))]
+    grids = result.device_values["h100"]["gemm_shape_eff"]
+    high = grids["high"]
+    assert high["x".join(map(str, slow))] == pytest.approx(1 / 1.3, rel=0.05)
+    others = [v for key, v in high.items() if key != "x".join(map(str, slow))]
     assert max(abs(np.log(v)) for v in others) < 0.05
+    assert max((abs(np.log(v)) for v in grids.get("low", {}).values()), default=0.0) < 0.05
     assert np.max(np.abs(result.residuals["gemm"])) < 0.02
 
 
 def test_shape_grid_profile_round_trip_and_errors(tmp_path):
     p0 = default_params()
-    moved = p0.replace(gemm_shape_log_eff=_grid_with((1, 2, 3), np.log(0.8)))
+    moved = p0.replace(gemm_shape_log_eff=_classes(low=_grid_with((1, 2, 3), np.log(0.8))))
     values = prof.to_values(moved, ("gemm_shape_eff",))
-    assert values == {"gemm_shape_eff": {"256x512x1024": pytest.approx(0.8)}}
+    assert values == {"gemm_shape_eff": {"low": {"256x512x1024": pytest.approx(0.8)}}}
     back = prof.apply_values(p0, values)
     np.testing.assert_allclose(back.gemm_shape_log_eff, moved.gemm_shape_log_eff, atol=1e-6)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("constants: {gemm_shape_eff: {'1000x512x1024': 0.9}}\n")
-    with pytest.raises(prof.ProfileError, match=r"gemm_shape_eff\.1000x512x1024: expected 'MxNxK'"):
-        prof.params_for(load_cluster(CLUSTER), bad)
-    bad.write_text("constants: {gemm_shape_eff: {'256x512x1024': 0}}\n")
-    with pytest.raises(prof.ProfileError, match="must be a number above 0"):
-        prof.params_for(load_cluster(CLUSTER), bad)
+    for text, error in [
+        (
+            "{high: {'1000x512x1024': 0.9}}",
+            r"gemm_shape_eff\.high\.1000x512x1024: expected 'MxNxK'",
+        ),
+        ("{high: {'256x512x1024': 0}}", "must be a number above 0"),
+        ("{fp8: {'256x512x1024': 0.9}}", r"gemm_shape_eff\.fp8: unknown precision class"),
+        ("{'256x512x1024': 0.9}", r"gemm_shape_eff\.256x512x1024: unknown precision class"),
+    ]:
+        bad.write_text(f"constants: {{gemm_shape_eff: {text}}}\n")
+        with pytest.raises(prof.ProfileError, match=error):
+            prof.params_for(load_cluster(CLUSTER), bad)

@@ -121,6 +121,40 @@ def test_fp8_casts_count_each_gemm_input_and_output_gradient():
     assert float(bwd) == pytest.approx(4 * output_grads, rel=1e-12)
 
 
+def test_precision_classes_read_their_own_shape_grids():
+    """An FP8 model's layer GEMMs read the FP8/FP4 shape grid and only its LM head the 16-bit
+    one; a bf16 model reads only the 16-bit grid."""
+    p0 = default_params(jnp.float64)
+    twice = jnp.full(p0.gemm_shape_log_eff.shape[1:], np.log(2.0))  # every shape 2x faster
+    zero = jnp.zeros_like(twice)
+    grids = {"base": p0, "high": jnp.stack([twice, zero]), "low": jnp.stack([zero, twice])}
+    h100 = load_cluster("dgx-h100")
+
+    def times(precision, vocab):
+        model = dataclasses.replace(GPT, precision=precision, vocab=vocab)
+        return {
+            name: float(
+                _run(
+                    model,
+                    PLANS["single"],
+                    h100,
+                    p0 if name == "base" else p0.replace(gemm_shape_log_eff=g),
+                ).compute_s
+            )
+            for name, g in grids.items()
+        }
+
+    t = times("bf16", GPT.vocab)
+    assert t["high"] < 0.95 * t["base"]
+    assert t["low"] == pytest.approx(t["base"], rel=REL)
+    t = times("fp8", GPT.vocab)
+    assert t["low"] < 0.995 * t["base"]  # the layers
+    assert t["high"] < 0.995 * t["base"]  # the head
+    t = times("fp8", 8)  # (almost) no head: the 16-bit grid has nothing left to speed up
+    assert t["low"] < 0.995 * t["base"]
+    assert t["high"] == pytest.approx(t["base"], rel=1e-4)
+
+
 def test_lm_head_stays_in_16_bits_under_fp8():
     """FP8 training keeps the output layer in bf16: a larger vocabulary costs the same time."""
     h100 = load_cluster("dgx-h100")
