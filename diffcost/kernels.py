@@ -20,10 +20,11 @@ import jax.numpy as jnp
 
 from diffcost import smooth
 from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays
-from diffcost.params import GEMM_GRID_LOG2_LO, Params
+from diffcost.params import GEMM_GRID_CLASSES, GEMM_GRID_LOG2_LO, Params
 from diffcost.specs import PRECISIONS
 
 _BF16, _FP16 = PRECISIONS.index("bf16"), PRECISIONS.index("fp16")
+_HIGH, _LOW = GEMM_GRID_CLASSES.index("high"), GEMM_GRID_CLASSES.index("low")
 
 
 def gemm_peak_flops(model: ModelArrays, cluster: ClusterArrays, params: Params):
@@ -103,7 +104,7 @@ def class_tables(table, low):
     """Grids ``[2, G, G, G]`` of a model whose layer GEMMs are ``low`` precision (1: FP8/FP4,
     0: 16 bits, in between when relaxed): its layers' grid and the 16-bit grid of its LM head
     (the head stays in 16 bits). ``table`` is ``Params.gemm_shape_log_eff``, classes first."""
-    high, low_grid = table[0], table[1]
+    high, low_grid = table[_HIGH], table[_LOW]
     return jnp.stack([high + low * (low_grid - high), high])
 
 
@@ -123,7 +124,7 @@ def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, tempera
     flops = 2.0 * m * n * k
     present = flops / (flops + 1.0)
     if log_eff is None:  # the 16-bit grid
-        log_eff = shape_log_eff(params.gemm_shape_log_eff, m, n, k, row=0)
+        log_eff = shape_log_eff(params.gemm_shape_log_eff, m, n, k, row=_HIGH)
     shape = jnp.exp(-log_eff)
     compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present * shape
     io = memory_bound_s(ACT_BYTES * (m * k + k * n + m * n), cluster, params)
