@@ -58,29 +58,23 @@ def _stats(ape) -> dict:
     }
 
 
-def _design(points) -> np.ndarray:
-    layers, n = points[:, 0], points[:, 1]
-    return np.stack([np.ones_like(layers), layers, n, n * layers], axis=1)
-
-
 def cells_with_predictions(rows, cv_rows) -> dict:
-    """{cell key: array [(layers, microbatches, measured, predicted), ...]} of the e2e rows that
-    have a held-out prediction (``cv_rows`` name their 1-based data row)."""
-    pred = {int(r["row"]): float(r["cv_predicted_s"]) for r in cv_rows}
+    """{cell key: ([(layers, microbatches, measured)], [(layers, microbatches, predicted)],
+    layer shape, pp)} of the e2e rows (numbered, ``e2e_rows.rows(..., numbered=True)``) that
+    have a held-out prediction (``cv_rows`` name their data row)."""
+    pred = {r["row"]: float(r["cv_predicted_s"]) for r in cv_rows}
     index = {k: i for i, k in enumerate(layer_composition.CELL_KEY)}
-    out = collections.defaultdict(list)
-    for i, r in enumerate(rows, start=1):
-        if i not in pred:
+    out = collections.defaultdict(lambda: ([], []))
+    for r in rows:
+        if r["row"] not in pred:
             continue
         for key, points in layer_composition.cells([r]).items():
             ((layers, n, t),) = points
-            out[key].append((layers, n, t, pred[i]))
-    shape_of = {k: tuple(int(k[index[s]]) for s in SHAPE) for k in out}
-    pp_of = {k: k[index["pp"]] for k in out}
+            out[key][0].append((layers, n, t))
+            out[key][1].append((layers, n, pred[r["row"]]))
     return {
-        k: (np.asarray(v, dtype=float), shape_of[k], pp_of[k])
-        for k, v in out.items()
-        if len(v) >= 5
+        k: (meas, pred, tuple(int(k[index[s]]) for s in SHAPE), k[index["pp"]])
+        for k, (meas, pred) in out.items()
     }
 
 
@@ -96,13 +90,13 @@ def _features(shape, degree: int) -> list[float]:
 def analyse(cells: dict) -> dict:
     fits = {}
     single_stage = collections.defaultdict(list)
-    for key, (v, shape, pp) in cells.items():
-        x = _design(v)
-        if np.linalg.matrix_rank(x) < 4:
+    for key, (measured, predicted, shape, pp) in cells.items():
+        fit_m, fit_p = layer_composition.fit_cell(measured), layer_composition.fit_cell(predicted)
+        if fit_m is None or fit_p is None:  # fewer than five rows, or rank-deficient
             continue
-        meas = np.linalg.lstsq(x, v[:, 2], rcond=None)[0]
-        pred = np.linalg.lstsq(x, v[:, 3], rcond=None)[0]
-        fits[key] = (x, v[:, 2], meas, pred, shape)
+        v = np.asarray(measured, dtype=float)
+        meas, pred = fit_m[0], fit_p[0]
+        fits[key] = (layer_composition.design(v[:, 0], v[:, 1]), v[:, 2], meas, pred, shape)
         if pp == "1":
             single_stage[shape].append(np.concatenate([meas[2:], pred[2:]]))
     if not fits:
@@ -167,7 +161,7 @@ def main(argv=None) -> int:
     if "--source" not in argv:
         argv += ["--source", DEFAULT_SOURCE]
     args = e2e_rows.parse(__doc__, argv)
-    rows = e2e_rows.rows(args)
+    rows = e2e_rows.rows(args, numbered=True)
     if rows is None:
         return 2
     if not cv_path.is_file():
@@ -179,9 +173,7 @@ def main(argv=None) -> int:
         return 2
     with open(cv_path, newline="", encoding="utf-8") as fh:
         cv_rows = [r for r in csv.DictReader(fh) if r["source"] == args.source]
-    with open(Path(args.data) / "e2e" / "calibration.csv", newline="", encoding="utf-8") as fh:
-        all_rows = list(csv.DictReader(fh))  # the row numbers count every source's rows
-    cells = cells_with_predictions(all_rows, cv_rows)
+    cells = cells_with_predictions(rows, cv_rows)
     result = analyse(cells)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -19,15 +19,18 @@ def parse(doc: str, argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def rows(args: argparse.Namespace) -> list[dict] | None:
+def rows(args: argparse.Namespace, numbered: bool = False) -> list[dict] | None:
     """The rows of ``DATA/e2e/calibration.csv`` (of ``args.source`` only, if given), or None
-    after printing why there are none to stderr."""
+    after printing why there are none to stderr. ``numbered`` adds ``row``: the 1-based data row
+    in the whole file (the numbering of ``calibration_cv.py``'s rows file)."""
     path = Path(args.data) / "e2e" / "calibration.csv"
     if not path.is_file():
         print(f"error: --data {args.data!r}: no e2e/calibration.csv there", file=sys.stderr)
         return None
     with open(path, newline="", encoding="utf-8") as fh:
         out = list(csv.DictReader(fh))
+    if numbered:
+        out = [{**r, "row": str(i)} for i, r in enumerate(out, start=1)]
     if args.source is None:
         return out
     known = sorted({r["source"] for r in out})

@@ -59,6 +59,11 @@ def cells(rows) -> dict:
     return out
 
 
+def design(layers, n) -> np.ndarray:
+    """Columns 1, L, n, n L of ``a + b L + n (c + d L)``."""
+    return np.stack([np.ones_like(layers), layers, n, n * layers], axis=1)
+
+
 def fit_cell(points) -> tuple[np.ndarray, float] | None:
     """(a, b, c, d) and the largest relative residual, or None when the cell cannot pin the
     four down (fewer rows than five, or a rank-deficient design)."""
@@ -66,7 +71,7 @@ def fit_cell(points) -> tuple[np.ndarray, float] | None:
     if len(v) < 5:
         return None
     layers, n, t = v[:, 0], v[:, 1], v[:, 2]
-    x = np.stack([np.ones_like(layers), layers, n, n * layers], axis=1)
+    x = design(layers, n)
     if np.linalg.matrix_rank(x) < 4:
         return None
     coef = np.linalg.lstsq(x, t, rcond=None)[0]

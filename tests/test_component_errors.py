@@ -2,7 +2,6 @@
 
 import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +9,6 @@ import pytest
 from helpers import SHARED_DATA
 
 _DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(_DIR))
 _spec = importlib.util.spec_from_file_location("component_errors", _DIR / "component_errors.py")
 ce = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ce)
@@ -40,11 +38,10 @@ def _rows_and_predictions(measured_of, predicted_of):
                 n_layers=str(layers),
                 global_batch=str(gb),
                 measured_iter_s=str(measured_of(shape)(layers, gb / mb)),
+                row=str(len(rows) + 1),
             )
             rows.append(r)
-            cv.append(
-                {"row": str(len(rows)), "cv_predicted_s": predicted_of(shape)(layers, gb / mb)}
-            )
+            cv.append({"row": r["row"], "cv_predicted_s": predicted_of(shape)(layers, gb / mb)})
     return rows, cv
 
 
