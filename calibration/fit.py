@@ -258,9 +258,16 @@ def predict_log(dev_tab, clu_tab, data, temperature):
     out = {}
     if "e2e" in data:
         d = data["e2e"]
-        params = assemble(dev_tab, clu_tab, d["d"], d["c"])
-        run = jax.vmap(lambda m, p, c, pr: simulate(m, p, c, pr, temperature).iteration_s)
-        out["e2e"] = jnp.log(run(d["model"], d["plan"], d["cluster"], params))
+        # Every row reads its family's shape grids in the shared table (no copy per row).
+        table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
+        flat = table.reshape((-1,) + table.shape[2:])
+        base = d["d"] * table.shape[1]
+        unread = jnp.zeros((table.shape[0], 1))
+        params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
+        run = jax.vmap(
+            lambda m, p, c, pr, b: simulate(m, p, c, pr, temperature, (flat, b)).iteration_s
+        )
+        out["e2e"] = jnp.log(run(d["model"], d["plan"], d["cluster"], params, base))
     if "coll" in data:
         d = data["coll"]
         params = assemble(dev_tab, clu_tab, d["d"], d["c"])

@@ -100,12 +100,38 @@ def shape_log_effs(table, m, n, k, row=None):
     return fwd, dgrad, wgrad
 
 
-def class_tables(table, low):
-    """Grids ``[2, G, G, G]`` of a model whose layer GEMMs are ``low`` precision (1: FP8/FP4,
-    0: 16 bits, in between when relaxed): its layers' grid and the 16-bit grid of its LM head
-    (the head stays in 16 bits). ``table`` is ``Params.gemm_shape_log_eff``, classes first."""
-    high, low_grid = table[_HIGH], table[_LOW]
-    return jnp.stack([high + low * (low_grid - high), high])
+def layer_and_head_log_effs(table, low, m, n, k, head, base=None):
+    """``shape_log_effs`` of a layer's GEMMs ``(m, n, k)`` (arrays) and, last entry, of the LM
+    head ``head = (m, n, k)``: the layers read the grid of their class (blended by ``low``: 1
+    FP8/FP4, 0 16 bits, in between when relaxed), the head the 16-bit grid (it stays in 16 bits).
+
+    ``table`` is ``Params.gemm_shape_log_eff`` (classes first), or with ``base`` a shared table
+    whose rows ``base + class`` are this configuration's grids. Without ``base`` the two grids
+    are blended first and read once, cheapest when ``low`` is the same for a whole batch (a
+    sweep); with it each layer GEMM is read in both rows and the values blended, so a batch of
+    configurations never copies the table (a calibration's thousands of rows).
+    """
+    head_m, head_n, head_k = (jnp.reshape(v, (1,)) for v in head)
+    count = m.shape[0]
+    if base is None:
+        layers = table[_HIGH] + low * (table[_LOW] - table[_HIGH])
+        effs = shape_log_effs(
+            jnp.stack([layers, table[_HIGH]]),
+            jnp.concatenate([m, head_m]),
+            jnp.concatenate([n, head_n]),
+            jnp.concatenate([k, head_k]),
+            row=jnp.append(jnp.zeros(count, jnp.int32), 1),
+        )
+        return effs
+    rows = jnp.concatenate([jnp.full(count + 1, _HIGH), jnp.full(count, _LOW)]).astype(jnp.int32)
+    effs = shape_log_effs(
+        table,
+        jnp.concatenate([m, head_m, m]),
+        jnp.concatenate([n, head_n, n]),
+        jnp.concatenate([k, head_k, k]),
+        row=base + rows,
+    )
+    return tuple(jnp.append(e[:count] + low * (e[count + 1 :] - e[:count]), e[count]) for e in effs)
 
 
 def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):

@@ -197,7 +197,7 @@ def plan_is_valid(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays):
     return functools.reduce(jnp.logical_and, checks)
 
 
-def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
+def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTimes:
     """Per-stage, per-microbatch times and the units of the pipeline and DP schedule."""
     tau = temperature
     kappa = params.interference
@@ -214,17 +214,12 @@ def stage_times(model, plan, cluster, params, temperature) -> StageTimes:
     rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
     rate16 = jnp.maximum(kernels.half_peak_flops(model, cluster, params), 1.0)
     g = workload.layer_gemms(model, plan)
-    # shape-grid factors of the layer's GEMMs (their precision's grid) and, last entry, the LM
-    # head's (16-bit grid), looked up at once
     t = workload.tokens(model, plan)
     vocab_local = model.vocab / plan.tp
     low = workload.low_precision(model)
-    fwd_le, dgrad_le, wgrad_le = kernels.shape_log_effs(
-        kernels.class_tables(params.gemm_shape_log_eff, low),
-        jnp.append(g.m, t),
-        jnp.append(g.n, vocab_local),
-        jnp.append(g.k, model.hidden),
-        row=jnp.append(jnp.zeros_like(g.m, dtype=jnp.int32), 1),
+    table, base = (params.gemm_shape_log_eff, None) if grid is None else grid
+    fwd_le, dgrad_le, wgrad_le = kernels.layer_and_head_log_effs(
+        table, low, g.m, g.n, g.k, (t, vocab_local, model.hidden), base
     )
     gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau, fwd_le[:-1]))
     # dgrad (m x n) @ (n x k) and wgrad (k x m) @ (m x n): same FLOPs, transposed shapes.
@@ -576,6 +571,7 @@ def simulate(
     cluster: ClusterArrays,
     params: Params,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
+    grid=None,
 ) -> Breakdown:
     """Predict one training iteration.
 
@@ -583,6 +579,10 @@ def simulate(
         model, plan, cluster: array pytrees (``diffcost.arrays``); batch with ``jax.vmap``.
         params: calibratable constants.
         temperature: relative softness of every max/min (static); 0 gives the exact model.
+        grid: ``(table, base)`` to read the GEMM shape grids from rows ``base + class`` of a
+            shared ``table`` ``[rows, G, G, G]`` instead of ``params.gemm_shape_log_eff`` (the
+            calibration's batch of thousands of rows reads its families' grids in place this
+            way, rather than carrying a copy per row).
 
     Returns:
         A ``Breakdown``. Invalid plans get ``status = 2`` and finite numbers.
@@ -593,7 +593,7 @@ def simulate(
         >>> bool(b.iteration_s > 0)
         True
     """
-    st = stage_times(model, plan, cluster, params, temperature)
+    st = stage_times(model, plan, cluster, params, temperature, grid)
     pipe_dp, weights, sends, dp_exposed = pipeline_time(st, temperature)
     iteration = pipe_dp + st.optimizer_s + st.overhead_s
 
