@@ -115,14 +115,13 @@ def layer_and_head_log_effs(table, low, m, n, k, head, base=None):
     count = m.shape[0]
     if base is None:
         layers = table[_HIGH] + low * (table[_LOW] - table[_HIGH])
-        effs = shape_log_effs(
+        return shape_log_effs(
             jnp.stack([layers, table[_HIGH]]),
             jnp.concatenate([m, head_m]),
             jnp.concatenate([n, head_n]),
             jnp.concatenate([k, head_k]),
             row=jnp.append(jnp.zeros(count, jnp.int32), 1),
         )
-        return effs
     rows = jnp.concatenate([jnp.full(count + 1, _HIGH), jnp.full(count, _LOW)]).astype(jnp.int32)
     effs = shape_log_effs(
         table,

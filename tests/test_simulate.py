@@ -156,17 +156,21 @@ def test_precision_classes_read_their_own_shape_grids():
 
 
 def test_shared_grid_table_reads_the_rows_of_its_base():
-    """``grid=(table, base)`` gives what the same grids passed in Params give, for a bf16 and an
-    FP8 model whose grids sit at rows 2 and 3 of a shared table (as the calibration passes them)."""
+    """``grid=(table, base)`` gives what the same grids passed in Params give, for a bf16, an FP8
+    and a relaxed half-and-half model whose grids sit at rows 2 and 3 of a shared table (as the
+    calibration passes them)."""
     p0 = default_params(jnp.float64)
     rng = np.random.default_rng(0)
     shape = p0.gemm_shape_log_eff.shape
     own = jnp.asarray(rng.normal(0.0, 0.3, shape))
     table = jnp.concatenate([jnp.asarray(rng.normal(0.0, 0.3, shape)), own])  # [4, G, G, G]
     h100 = load_cluster("dgx-h100")
-    for precision in ("bf16", "fp8"):
-        model = dataclasses.replace(GPT, precision=precision)
+    half = 0.5 * np.eye(len(PRECISIONS))[[PRECISIONS.index("bf16"), PRECISIONS.index("fp8")]]
+    for precision in ("bf16", "fp8", "relaxed"):
+        model = dataclasses.replace(GPT, precision="bf16" if precision == "relaxed" else precision)
         m, p, c = arrays(model, PLANS["single"], h100)
+        if precision == "relaxed":
+            m = m.replace(precision=jnp.asarray(half.sum(axis=0)))
         plain = float(simulate(m, p, c, p0, 1e-3).iteration_s)
         direct = float(simulate(m, p, c, p0.replace(gemm_shape_log_eff=own), 1e-3).iteration_s)
         shared = float(simulate(m, p, c, p0, 1e-3, grid=(table, 2)).iteration_s)
