@@ -253,17 +253,24 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
 GRID_LEAF = FIELDS[GRID_FIELD][0]  # the GEMM shape grid's raw leaf
 
 
+def _shared_grid(dev_tab, clu_tab, d):
+    """The shape grids of every family as one table ``[families * classes, G, G, G]`` (row
+    ``family * classes + class``), and the rows' Params without a grid of their own: each row
+    reads its grid in place. A copy of the grid per row (thousands of rows) and the scatter of
+    its gradient back tripled the step time."""
+    table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
+    unread = jnp.zeros((table.shape[0], 1))
+    params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
+    return table.reshape((-1,) + table.shape[2:]), params
+
+
 def predict_log(dev_tab, clu_tab, data, temperature):
     """log of predicted times per level (dict level -> array)."""
     out = {}
     if "e2e" in data:
         d = data["e2e"]
-        # Every row reads its family's shape grids in the shared table (no copy per row).
-        table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
-        flat = table.reshape((-1,) + table.shape[2:])
-        base = d["d"] * table.shape[1]
-        unread = jnp.zeros((table.shape[0], 1))
-        params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
+        flat, params = _shared_grid(dev_tab, clu_tab, d)
+        base = d["d"] * len(GEMM_GRID_CLASSES)  # the row of the family's first class
         run = jax.vmap(
             lambda m, p, c, pr, b: simulate(m, p, c, pr, temperature, (flat, b)).iteration_s
         )
@@ -277,13 +284,8 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         )
     if "gemm" in data:
         d = data["gemm"]
-        # Each row reads its family's shape grid in place: a copy of the grid per row (thousands
-        # of rows) and the scatter of its gradient back tripled the step time.
-        table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
-        flat = table.reshape((-1,) + table.shape[2:])
+        flat, params = _shared_grid(dev_tab, clu_tab, d)
         log_eff = kernels.shape_log_eff(flat, d["m"], d["n"], d["k"], row=d["grid"])
-        unread = jnp.zeros((table.shape[0], 1))  # gemm_s gets log_eff, not the grid
-        params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
         run = jax.vmap(lambda *a: _gemm_time(*a, temperature))
         out["gemm"] = jnp.log(
             run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params, log_eff)
