@@ -2,8 +2,9 @@
 
 Blank cells mean "the source did not say". They are filled with the defaults a practitioner
 would assume for that framework (``FRAMEWORK_DEFAULTS`` and ``_fill_defaults``), and every
-filled value is reported per row. Rows that still cannot be represented are listed with the
-reason, never dropped silently.
+filled value is reported per row. Rows that still cannot be represented, and rows without a
+positive measured time, are listed with the reason, never dropped silently or counted in the
+errors.
 """
 
 from __future__ import annotations
@@ -70,6 +71,49 @@ GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
 # conf/training/gpt3/{5b,20b,175b}_fp8_performance.yaml) checkpoint the attention core
 # ("selective"); its Llama and Nemotron configs recompute nothing.
 FAMILY_RECOMPUTE = (("NeMo", "gpt3", "selective"),)
+
+
+# Columns an end-to-end CSV must have (their cells may be blank: "the source did not say");
+# the calibration reader (calibration.readers.read_e2e_csv) requires the same ones. Other
+# columns of the schema (ffn_hidden, kv_heads, vocab, dp, cp, ep, sp, zero, ...) may be absent.
+E2E_COLUMNS = (
+    "source",
+    "model",
+    "cluster",
+    "measured_iter_s",
+    "n_layers",
+    "hidden",
+    "heads",
+    "seq_len",
+    "n_gpus",
+    "tp",
+    "pp",
+    "microbatch",
+    "global_batch",
+)
+# Numeric columns: a non-blank cell must be a finite number, in E2E_INT_COLUMNS an integer.
+E2E_INT_COLUMNS = (
+    "n_layers",
+    "hidden",
+    "ffn_hidden",
+    "heads",
+    "kv_heads",
+    "seq_len",
+    "vocab",
+    "n_gpus",
+    "gpus_per_node",
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "ep",
+    "sp",
+    "zero",
+    "microbatch",
+    "global_batch",
+    "interleave_chunks",
+)
+E2E_FLOAT_COLUMNS = ("measured_iter_s", "measured_tflops_per_gpu", "peer_predicted_iter_s")
 
 
 @dataclasses.dataclass
@@ -223,15 +267,65 @@ def _simulate_batch(models, plans, clusters, params):
     return jax.vmap(simulate)(models, plans, clusters, params)
 
 
+def _number_error(text: str, integer: bool) -> str | None:
+    """Why a numeric cell is unreadable, or None when it is a finite number (an integer if
+    ``integer``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return f"not a number: {text!r}"
+    if not math.isfinite(value):
+        return f"not a finite number: {text!r}"
+    if integer and value != int(value):
+        return f"not an integer: {text!r}"
+    return None
+
+
 def read_rows(path: str | os.PathLike) -> list[dict]:
-    """Rows of a measurement CSV; errors name the file and line."""
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        required = {"source", "cluster", "measured_iter_s"}
-        missing = required - set(reader.fieldnames or ())
+    """Data rows of an end-to-end measurement CSV, as ``{column: stripped cell}``.
+
+    Rows whose cells are all blank are left out. Blank cells stay blank (``_row_to_specs``
+    fills them); a numeric cell that holds something else is an error.
+
+    Args:
+        path: CSV in the schema of ``shared/data/README.md`` section 1.
+
+    Returns:
+        One dict per data row, in file order.
+
+    Raises:
+        ValueError: naming the file and line: an empty file, missing ``E2E_COLUMNS``, no data
+            rows, a row with more or fewer cells than the header, or a cell of
+            ``E2E_INT_COLUMNS`` / ``E2E_FLOAT_COLUMNS`` that is not a finite number (integer).
+    """
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, [])
+        blank = not any(h.strip() for h in header)
+        if blank and not any(any(c.strip() for c in cells) for cells in reader):
+            raise ValueError(f"{path}: the file is empty (expected a CSV header)")
+        header = [h.strip() for h in header]
+        missing = [c for c in E2E_COLUMNS if c not in header]
         if missing:
-            raise ValueError(f"{path}: line 1: missing columns {sorted(missing)}")
-        return list(reader)
+            raise ValueError(f"{path}: line 1: missing columns {missing}")
+        rows = []
+        line = reader.line_num + 1
+        for cells in reader:
+            start, line = line, reader.line_num + 1
+            if not any(c.strip() for c in cells):
+                continue
+            if len(cells) != len(header):
+                raise ValueError(
+                    f"{path}: line {start}: {len(cells)} cells, the header has {len(header)}"
+                )
+            row = {k: v.strip() for k, v in zip(header, cells)}
+            for col in (*E2E_INT_COLUMNS, *E2E_FLOAT_COLUMNS):
+                if row.get(col) and (why := _number_error(row[col], col in E2E_INT_COLUMNS)):
+                    raise ValueError(f"{path}: line {start}: column '{col}': {why}")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no data rows (only a header)")
+    return rows
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
@@ -249,7 +343,7 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 
 def _summary(results: list[RowResult]) -> dict:
-    done = [r for r in results if r.predicted_iter_s is not None and r.measured_iter_s]
+    done = [r for r in results if r.ape_pct is not None]
     apes = [r.ape_pct for r in done]
     return {
         "rows": len(results),
@@ -272,7 +366,11 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
         ``max_ape_pct``, ``kendall_tau``), and ``profiles``: cluster -> which calibrated layers
         were used. ``params`` (one set for every row) overrides ``profile``; ``profile`` is None
         for each cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a
-        profile file.
+        profile file. Rows with a blank or non-positive ``measured_iter_s`` are skipped (their
+        ``skipped`` says why) and count in no error figure.
+
+    Raises:
+        ValueError: the file is not a readable end-to-end CSV (see :func:`read_rows`).
     """
     rows = read_rows(path)
     results: list[RowResult] = []
@@ -280,15 +378,21 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     cache: dict = {}
     cluster_cache: dict = {}
     for i, row in enumerate(rows, start=1):
-        measured = row.get("measured_iter_s", "").strip()
+        measured = row["measured_iter_s"]
         r = RowResult(
             row=i,
-            source=row.get("source", ""),
-            model=row.get("model", ""),
-            cluster=row.get("cluster", ""),
+            source=row["source"],
+            model=row["model"],
+            cluster=row["cluster"],
             measured_iter_s=float(measured) if measured else None,
         )
         results.append(r)
+        if r.measured_iter_s is None:
+            r.skipped = "measured_iter_s blank"
+            continue
+        if r.measured_iter_s <= 0:
+            r.skipped = f"measured_iter_s {measured} is not a positive time"
+            continue
         try:
             model, plan, cluster, used = _row_to_specs(row, cache)
         except _Skip as e:
@@ -319,8 +423,7 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
             pred = float(out.iteration_s[j])
             r.predicted_iter_s = pred
             r.status = STATUS_NAMES[int(out.status[j])]
-            if r.measured_iter_s:
-                r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
+            r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
     by_source: dict[str, list[RowResult]] = {}
     for r in results:
         by_source.setdefault(r.source, []).append(r)
