@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
+from diffcost.validate import E2E_COLUMNS, E2E_FLOAT_COLUMNS, E2E_INT_COLUMNS
 
 __all__ = [
     "COLLECTIVES",
@@ -66,6 +67,18 @@ class ReaderError(ValueError):
         self.line = line
         where = f"{self.file}:{line}" if line is not None else self.file
         super().__init__(f"{where}: {message}")
+
+
+def _open(path, **kwargs):
+    """``open(path)``; a missing path or a directory is a :class:`ReaderError` naming it."""
+    try:
+        return open(path, **kwargs)
+    except FileNotFoundError:
+        raise ReaderError(path, None, "no such file") from None
+    except IsADirectoryError:
+        raise ReaderError(
+            path, None, "is a directory, not a file (load() reads the files in a directory)"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,18 +280,31 @@ def family_peak_flops(family: str, precision: str) -> float | None:
     return tflops * 1e12 if tflops else None
 
 
-_PRESET_FAMILY: dict[str, str | None] = {}
+_PRESET_GPU: dict[str, str | None] = {}
 
 
-def _preset_family(cluster: str) -> str | None:
-    if cluster not in _PRESET_FAMILY:
+def _preset_gpu(cluster: str) -> str | None:
+    """GPU name of a cluster preset (None when the preset cannot be loaded)."""
+    if cluster not in _PRESET_GPU:
         from diffcost import config as config_mod
 
         try:
-            _PRESET_FAMILY[cluster] = gpu_family(config_mod.load_cluster(cluster).gpu.name)
+            _PRESET_GPU[cluster] = config_mod.load_cluster(cluster).gpu.name
         except (config_mod.ConfigError, OSError):
-            _PRESET_FAMILY[cluster] = None
-    return _PRESET_FAMILY[cluster]
+            _PRESET_GPU[cluster] = None
+    return _PRESET_GPU[cluster]
+
+
+def _preset_family(cluster: str) -> str | None:
+    name = _preset_gpu(cluster)
+    return None if name is None else gpu_family(name)
+
+
+def _known_family(name: str) -> str | None:
+    """GPU family key of a name that names a known family (``gpu_family`` without the
+    fallback), else None."""
+    m = _GPU_RE.search(name)
+    return m.group(1).lower() if m else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,13 +317,16 @@ class _Csv:
     def __init__(self, path, required: Iterable[str], kind: str):
         self.path = str(path)
         self.kind = kind
-        self._fh = open(path, newline="", encoding="utf-8-sig")
+        self._fh = _open(path, newline="", encoding="utf-8-sig")
         self._reader = csv.reader(self._fh)
         try:
-            header = next(self._reader)
-        except StopIteration:
-            self._fh.close()
-            raise ReaderError(self.path, 1, f"empty file (expected a {kind} CSV header)") from None
+            header = next(self._reader, [])
+            blank = not any(h.strip() for h in header)
+            if blank and not any(any(c.strip() for c in cells) for cells in self._reader):
+                self._fh.close()
+                raise ReaderError(
+                    self.path, None, f"the file is empty (expected a {kind} CSV header)"
+                )
         except csv.Error as e:
             self._fh.close()
             raise ReaderError(self.path, 1, f"not a CSV header: {e}") from None
@@ -354,43 +383,11 @@ class _Csv:
 # --------------------------------------------------------------------------------------------
 # End-to-end runs
 
-E2E_REQUIRED = (
-    "source",
-    "model",
-    "cluster",
-    "measured_iter_s",
-    "n_layers",
-    "hidden",
-    "heads",
-    "seq_len",
-    "n_gpus",
-    "tp",
-    "pp",
-    "microbatch",
-    "global_batch",
-)
-_E2E_INT = (
-    "n_layers",
-    "hidden",
-    "ffn_hidden",
-    "heads",
-    "kv_heads",
-    "seq_len",
-    "vocab",
-    "n_gpus",
-    "gpus_per_node",
-    "tp",
-    "pp",
-    "dp",
-    "cp",
-    "ep",
-    "sp",
-    "zero",
-    "microbatch",
-    "global_batch",
-    "interleave_chunks",
-)
-_E2E_FLOAT = ("measured_iter_s", "measured_tflops_per_gpu", "peer_predicted_iter_s")
+# The same columns as diffcost.validate (``diffcost validate`` and calibration agree on which
+# files they accept).
+E2E_REQUIRED = E2E_COLUMNS
+_E2E_INT = E2E_INT_COLUMNS
+_E2E_FLOAT = E2E_FLOAT_COLUMNS
 
 
 def read_e2e_csv(path) -> Measurements:
@@ -604,6 +601,7 @@ _FILE_RE = re.compile(
 )
 _RANK_RE = re.compile(
     r"^#\s*Rank\s+(\d+)\s+(?:Group\s+(\d+)\s+)?Pid\s+(\d+)\s+on\s+(\S+)\s+device\s+(\d+)"
+    r"(?:\s+\[[^\]]*\])?\s*(.*)$"  # then the bus id and the GPU name
 )
 _LOG_RE = re.compile(r"NCCL (INFO|WARN)|^NCCL version")
 _MARKERS_RE = re.compile(
@@ -626,16 +624,24 @@ def read_nccl_tests(path, cluster: str | None = None, gpus_per_node: int | None 
     GPU count, groups (``Group`` = the split colour) and hosts from the ``#  Rank ...`` lines.
     The out-of-place time is used. ``gpus_per_node`` overrides the hosts: give it where one
     NVLink domain spans several hosts (NVL72: 72). ``cluster`` is stored on every record.
+    Data lines where nccl-tests' own check found wrong elements (``#wrong`` > 0, out-of-place
+    or in-place) are skipped with the count; ``N/A`` (check disabled) is accepted.
 
     Raises:
-        ReaderError: no result table, unknown test, missing or contradictory rank lines, or a
-            malformed data line (file, line and text in the message).
+        ReaderError: a missing or empty file, no result table, unknown test, missing or
+            contradictory rank lines, a rank's GPU of another family than the GPU of
+            ``cluster``'s preset, or a malformed data line (file, line and text in the
+            message). GPU names of no known family (see :func:`gpu_family`) are not checked.
     """
     path = str(path)
     wanted = COLLECTIVES
     out = Measurements()
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with _open(path, encoding="utf-8", errors="replace") as fh:
         lines = fh.read().splitlines()
+    if not any(line.strip() for line in lines):
+        raise ReaderError(path, None, "the file is empty")
+    cluster_gpu = _preset_gpu(cluster) if isinstance(cluster, str) else None
+    cluster_family = None if cluster_gpu is None else _known_family(cluster_gpu)
 
     test: str | None = None  # from the last "..._perf" mention
     ranks: dict[int, tuple[int, str, str]] = {}  # rank -> (group, host, pid)
@@ -667,6 +673,16 @@ def read_nccl_tests(path, cluster: str | None = None, gpus_per_node: int | None 
                         f"{text!r}",
                     )
                 ranks[rank] = info
+                log_gpu = rm.group(6).strip()
+                log_family = _known_family(log_gpu)
+                if cluster_family and log_family and log_family != cluster_family:
+                    raise ReaderError(
+                        path,
+                        lineno,
+                        f"the log was measured on {log_gpu} ({log_family}) but cluster "
+                        f"{cluster} has {cluster_gpu} GPUs ({cluster_family}); pass the "
+                        "matching --cluster",
+                    )
                 continue
             tokens = body.split()
             if tokens[:2] == ["size", "count"] and "time" in tokens:
@@ -729,6 +745,9 @@ def _start_table(path, lineno, tokens, test, ranks, ranks_line, gpus_per_node) -
         "per_node": per_node,
         "n_nodes": nodes,
         "n_groups": n_ranks if name == "send_recv" else len(groups),
+        # nccl-tests' correctness counts: the out-of-place one, then the in-place one (older
+        # layouts print an "error" column, a maximum error rather than a count: not checked)
+        "wrong": [i for i, t in enumerate(tokens) if t == "#wrong"][:2],
     }
 
 
@@ -755,6 +774,19 @@ def _data_line(path, lineno, text, table, wanted, cluster, out: Measurements) ->
     name = table["collective"]
     if name not in wanted:
         out.skipped.append((where, f"nccl-tests {name} not read (reading: {', '.join(wanted)})"))
+        return
+    wrong = []
+    for i, label in zip(table["wrong"], ("out-of-place", "in-place")):
+        cell = tokens[i] if i < len(tokens) else "N/A"
+        try:
+            n_wrong = float(cell)
+        except ValueError:
+            continue  # "N/A": nccl-tests ran without its check (-c 0)
+        if n_wrong > 0:
+            count = int(n_wrong) if n_wrong.is_integer() else n_wrong
+            wrong.append(f"{count} wrong elements ({label})")
+    if wrong:
+        out.skipped.append((where, f"nccl-tests reported {' and '.join(wrong)}"))
         return
     if size == 0 or time_us <= 0:
         out.skipped.append((where, "zero size or time"))
@@ -918,9 +950,11 @@ _SUFFIXES = (".csv", ".txt", ".log")
 def detect_kind(path) -> str:
     """``"e2e"``, ``"collectives"``, ``"gemm"`` or ``"nccl-tests"``; ReaderError otherwise."""
     path = str(path)
-    with open(path, encoding="utf-8-sig", errors="replace") as fh:
+    with _open(path, encoding="utf-8-sig", errors="replace") as fh:
         text = fh.read()
-    first = text.splitlines()[0] if text else ""
+    if not text.strip():
+        raise ReaderError(path, None, "the file is empty")
+    first = text.splitlines()[0]
     try:
         cols = {c.strip() for c in next(csv.reader([first]))} if first else set()
     except csv.Error:
@@ -947,8 +981,10 @@ def _expand(paths) -> list[Path]:
             if not found:
                 raise ReaderError(p, None, "directory holds no *.csv, *.txt or *.log files")
             files.extend(found)
-        else:
+        elif p.exists():
             files.append(p)
+        else:
+            raise ReaderError(p, None, "no such file or directory")
     return files
 
 
@@ -962,8 +998,9 @@ def load(paths: Iterable[str | os.PathLike], cluster=None) -> Measurements:
             of one name is accepted. CSV files carry their own ``cluster`` column.
 
     Raises:
-        ReaderError: a file of no accepted format, malformed content, or nccl-tests output
-            with several names given as ``cluster``.
+        ReaderError: a missing path (before any file is read), an empty file, a file of no
+            accepted format, malformed content, nccl-tests output with several names given as
+            ``cluster`` or measured on GPUs of another family than ``cluster``'s.
     """
     if cluster is not None and not isinstance(cluster, str):
         names = list(cluster)

@@ -24,6 +24,7 @@ from calibration.readers import (
     read_gemm_csv,
     read_nccl_tests,
 )
+from diffcost.validate import E2E_COLUMNS, read_rows
 
 DATA = Path(__file__).parent / "data"
 E2E = DATA / "readers_e2e.csv"
@@ -347,6 +348,71 @@ def test_nccl_rank_problems(tmp_path):
         read_nccl_tests(path)
 
 
+def _with_data_line(src: Path, dst: Path, size: str, edit) -> int:
+    """Copy ``src`` to ``dst`` with ``edit(tokens)`` applied to the data line of ``size``
+    bytes; returns that line's number."""
+    lines = src.read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [size])
+    tokens = lines[at].split()
+    edit(tokens)
+    lines[at] = "  ".join(tokens)
+    dst.write_text("\n".join(lines) + "\n")
+    return at + 1
+
+
+def test_nccl_wrong_elements_are_skipped(tmp_path):
+    """A size where nccl-tests' own check failed (#wrong > 0) is not a measurement to fit;
+    N/A (the check turned off) is accepted."""
+    path = tmp_path / "all_reduce.txt"
+    shutil.copy(NCCL_AR, path)
+    # columns: size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong
+    out_of_place = _with_data_line(path, path, "1024", lambda t: t.__setitem__(8, "17"))
+    in_place = _with_data_line(path, path, "2048", lambda t: t.__setitem__(12, "3"))
+    both = _with_data_line(
+        path, path, "4096", lambda t: t.__setitem__(8, "1") or t.__setitem__(12, "2")
+    )
+    unchecked = _with_data_line(
+        path, path, "8192", lambda t: t.__setitem__(8, "N/A") or t.__setitem__(12, "N/A")
+    )
+    m = read_nccl_tests(path, cluster="dgx-h100")
+    assert [(s.line, reason) for s, reason in m.skipped] == [
+        (out_of_place, "nccl-tests reported 17 wrong elements (out-of-place)"),
+        (in_place, "nccl-tests reported 3 wrong elements (in-place)"),
+        (
+            both,
+            "nccl-tests reported 1 wrong elements (out-of-place) and 2 wrong elements (in-place)",
+        ),
+    ]
+    assert len(m.collectives) == 32 - 3
+    assert unchecked in {r.where.line for r in m.collectives}
+    # older layouts print a maximum "error", not a count: a small float error is no skip
+    ag = tmp_path / "all_gather.log"
+    _with_data_line(NCCL_AG, ag, "1048576", lambda t: t.__setitem__(6, "2e-07"))
+    assert len(read_nccl_tests(ag).collectives) == 6
+
+
+def test_nccl_gpu_must_match_the_cluster(tmp_path):
+    """The rank lines name the GPU; a cluster preset of another GPU family is an error."""
+    first_rank = _line_of(NCCL_AR, "#  Rank  0")
+    with pytest.raises(ReaderError) as e:
+        read_nccl_tests(NCCL_AR, cluster="vtrain-a100")
+    assert str(e.value) == (
+        f"{NCCL_AR}:{first_rank}: the log was measured on NVIDIA H100 80GB HBM3 (h100) but "
+        "cluster vtrain-a100 has A100 GPUs (a100); pass the matching --cluster"
+    )
+    with pytest.raises(ReaderError, match="cluster generic-a100 has A100"):
+        load([NCCL_AR], cluster="generic-a100")
+    # the same family under another preset, no cluster, or an unknown preset: no check
+    assert len(read_nccl_tests(NCCL_AG, cluster="vtrain-a100").collectives) == 6
+    assert len(read_nccl_tests(NCCL_AR, cluster="mosaic-h100").collectives) == 32
+    assert len(read_nccl_tests(NCCL_AR).collectives) == 32
+    assert len(read_nccl_tests(NCCL_AR, cluster="no-such-preset").collectives) == 32
+    # a GPU name of no known family is not checked
+    path = tmp_path / "all_reduce.txt"
+    path.write_text(NCCL_AR.read_text().replace("NVIDIA H100 80GB HBM3", "Accelerator X 96GB"))
+    assert len(read_nccl_tests(path, cluster="vtrain-a100").collectives) == 32
+
+
 # ---------------------------------------------------------------------------------------------
 # CSV errors
 
@@ -435,8 +501,12 @@ def test_load_detects_formats(tmp_path):
         "gemm",
         "nccl-tests",
     ]
+    # the all-gather log was measured on A100s: not a dgx-h100 measurement
+    with pytest.raises(ReaderError, match=r"measured on NVIDIA A100-SXM4-80GB \(a100\)"):
+        load([tmp_path], cluster=["dgx-h100"])
+    (tmp_path / NCCL_AG.name).unlink()
     m = load([tmp_path], cluster=["dgx-h100"])
-    assert (len(m.e2e), len(m.collectives), len(m.gemms)) == (3, 5 + 32 + 6 + 9, 6)
+    assert (len(m.e2e), len(m.collectives), len(m.gemms)) == (3, 5 + 32 + 9, 6)
     assert {r.cluster for r in m.collectives if r.source_name == "nccl-tests"} == {"dgx-h100"}
     assert len(m.skipped) == 3 + 2 + 4
     single = load(str(tmp_path / GEMM.name))
@@ -459,6 +529,71 @@ def test_load_rejects_unknown_files(tmp_path):
     empty.mkdir()
     with pytest.raises(ReaderError, match="no \\*.csv"):
         load([empty])
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n\t\n"])
+def test_empty_files(tmp_path, content):
+    path = tmp_path / "results.txt"
+    path.write_text(content)
+    for read in (load, detect_kind, read_nccl_tests):
+        with pytest.raises(ReaderError) as e:
+            read(path)
+        assert str(e.value) == f"{path}: the file is empty"
+    csv_path = tmp_path / "runs.csv"
+    csv_path.write_text(content)
+    for read in (read_e2e_csv, read_collectives_csv, read_gemm_csv):
+        with pytest.raises(ReaderError, match=f"^{csv_path}: the file is empty"):
+            read(csv_path)
+
+
+def test_missing_paths_and_directories(tmp_path):
+    missing = tmp_path / "no-such.csv"
+    for read in (detect_kind, read_nccl_tests, read_e2e_csv, read_collectives_csv, read_gemm_csv):
+        with pytest.raises(ReaderError) as e:
+            read(missing)
+        assert str(e.value) == f"{missing}: no such file"
+    # load() checks every path before it reads any file
+    with pytest.raises(ReaderError, match=f"^{missing}: no such file or directory"):
+        load([E2E, missing])
+    # a directory where one file is expected; load() reads the files in it
+    with pytest.raises(ReaderError, match="is a directory"):
+        read_nccl_tests(tmp_path)
+    shutil.copy(NCCL_AR, tmp_path / NCCL_AR.name)
+    assert len(load(tmp_path, cluster="dgx-h100").collectives) == 32
+
+
+@pytest.mark.parametrize("column", E2E_COLUMNS)
+def test_e2e_required_columns_agree_with_validate(tmp_path, column):
+    """diffcost validate and the calibration reader refuse the same incomplete files."""
+    dst = tmp_path / "runs.csv"
+
+    def edit(rows):
+        i = rows[0].index(column)
+        for row in rows:
+            del row[i]
+
+    _rewrite_csv(E2E, dst, edit)
+    with pytest.raises(
+        ReaderError, match=f"^{dst}:1: missing required end-to-end columns: {column}$"
+    ):
+        read_e2e_csv(dst)
+    with pytest.raises(ValueError, match=rf"^{dst}: line 1: missing columns \['{column}'\]$"):
+        read_rows(dst)
+
+
+def test_e2e_optional_columns_may_be_absent(tmp_path):
+    dst = tmp_path / "runs.csv"
+    optional = ("ffn_hidden", "kv_heads", "vocab", "dp", "cp", "ep", "sp", "zero", "recompute")
+
+    def edit(rows):
+        idx = sorted((rows[0].index(c) for c in optional), reverse=True)
+        for row in rows:
+            for i in idx:
+                del row[i]
+
+    _rewrite_csv(E2E, dst, edit)
+    assert len(read_e2e_csv(dst).e2e) == 3
+    assert len(read_rows(dst)) == 6
 
 
 def test_measurements_filter_and_add():
