@@ -1,14 +1,23 @@
-"""``diffcost calibrate``: fit a cluster's profile to measurement files and write it.
+"""``diffcost calibrate``: fit clusters' constants to measurement files and write profiles.
 
     diffcost calibrate --cluster vtrain-a100 ../shared/data/e2e/calibration.csv \
-        ../shared/data/collectives/collectives.csv [--out profile.yaml]
+        ../shared/data/collectives/collectives.csv [--out profile.yaml] [--from PROFILE]
 
-Without ``--out`` the fit writes two layers under ``calibration/profiles/``: the GPU family's
-device constants (``device-<family>.yaml``, used by every cluster with that GPU) and the
-cluster's own constants (``<cluster>.yaml``). With ``--out`` one file holds both.
+The fit starts from the constants the cluster uses today (its calibrated profile under
+``calibration/profiles/``; ``--from FILE`` for another profile, ``--from none`` for the
+datasheet defaults), and its prior pulls toward them: data about one level (say, nccl-tests
+logs) refine that level and leave the rest as they were. Each calibrated cluster gets one
+file with its device and cluster constants: ``<cluster>-profile.yaml`` in the current folder,
+``--out FILE`` (one cluster) or ``--out FOLDER``. Predictions use it with ``--profile FILE``.
+The shipped profiles under ``calibration/profiles/`` are rebuilt by
+``python -m calibration.make_profiles``, never by this command.
 """
 
 from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -33,24 +42,20 @@ def _mape(resid: np.ndarray) -> float:
     return float(np.mean(np.abs(np.expm1(resid))) * 100) if resid.size else float("nan")
 
 
-def write_result(result: fit_mod.FitResult, clusters: list[str], sources: list[str], out=None):
-    """Write the fitted layers; returns the paths written."""
-    meta = {"fitted_on": sources, "command": "diffcost calibrate"}
+def _family(cluster: str) -> str:
+    return prof.gpu_family(load_cluster(cluster).gpu.name)
+
+
+def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> list[Path]:
+    """Write the fitted layers as the shipped profiles (``calibration/profiles/``): one
+    ``device-<family>.yaml`` per GPU family, one ``<cluster>.yaml`` per cluster."""
     written = []
-    if out is not None:
-        name = clusters[0]
-        fam = prof.gpu_family(load_cluster(name).gpu.name)
-        values = {**result.device_values.get(fam, {}), **result.cluster_values[name]}
-        written.append(
-            prof.write_profile(
-                prof.Path(out), values, {"layer": "cluster+device", "key": name, **meta}
-            )
-        )
-        return written
     for fam, values in result.device_values.items():
         written.append(
             prof.write_profile(
-                prof.device_path(fam), values, {"layer": "device", "key": fam, **meta}
+                prof.device_path(fam),
+                values,
+                {"layer": "device", "key": fam, "gpu_family": fam, **meta},
             )
         )
     for name in clusters:
@@ -59,10 +64,101 @@ def write_result(result: fit_mod.FitResult, clusters: list[str], sources: list[s
                 prof.write_profile(
                     prof.cluster_path(name),
                     result.cluster_values[name],
-                    {"layer": "cluster", "key": name, **meta},
+                    {"layer": "cluster", "key": name, "gpu_family": _family(name), **meta},
                 )
             )
     return written
+
+
+def fitted_values(result: fit_mod.FitResult, cluster: str) -> dict:
+    """Device and cluster constants of ``cluster`` after the fit, in profile form."""
+    return {**result.device_values.get(_family(cluster), {}), **result.cluster_values[cluster]}
+
+
+def output_paths(clusters: list[str], out: str | None) -> dict[str, Path]:
+    """Where each cluster's profile goes; checked before fitting, so a bad ``--out`` does not
+    cost a fit."""
+    default = {c: Path(f"{c}-profile.yaml") for c in clusters}
+    if out is None:
+        paths = default
+    elif Path(out).is_dir() or out.endswith(("/", os.sep)):
+        paths = {c: Path(out) / p for c, p in default.items()}
+    elif len(clusters) > 1:
+        raise ValueError(
+            f"--out {out}: one file holds one cluster's profile, but {len(clusters)} clusters "
+            f"are calibrated ({', '.join(clusters)}); give a folder (--out DIR/) or leave --out "
+            "out to write <cluster>-profile.yaml files here"
+        )
+    else:
+        paths = {clusters[0]: Path(out)}
+    for path in paths.values():
+        if path.is_dir():
+            raise ValueError(f"--out {path} is a folder; give a file name or a folder ending in /")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"cannot write {path}: {parent} is not a writable folder")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(f"cannot write {path}: the file is read-only")
+    return paths
+
+
+def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, float]]:
+    """The constants the fit moved most, as (name, before, after), largest move first.
+
+    Moves are measured in the fit's own units (raw log / logit over the prior width), so a
+    fraction and a latency compare fairly. GEMM shape-grid nodes are summarised as one entry:
+    the number of nodes whose factor changed by more than 5%.
+    """
+    rows = []
+    for name, (_leaf, kind) in prof.FIELDS.items():
+        if name not in before or name not in after:
+            continue
+        if name == prof.GRID_FIELD:
+            changed = _grid_changes(before[name], after[name])
+            if changed:
+                rows.append((np.inf, f"GEMM shape grid: {changed} nodes moved > 5%", 0.0, 0.0))
+            continue
+        pairs = (
+            [(f"{name}.{p}", before[name][p], after[name][p]) for p in fit_mod.FIT_PRECISIONS]
+            if name == "gemm_eff"
+            else [(name, before[name], after[name])]
+        )
+        for label, b, a in pairs:
+            raw = [prof._to_raw(kind, v) for v in (b, a)]
+            score = abs(float(raw[1] - raw[0])) / fit_mod.PRIOR_SD[name]
+            if score > 1e-3:
+                rows.append((score, label, float(b), float(a)))
+    rows.sort(key=lambda r: -r[0])
+    return [(label, b, a) for _, label, b, a in rows[:top]]
+
+
+def _grid_changes(before: dict, after: dict) -> int:
+    count = 0
+    for cls in set(before) | set(after):
+        b, a = before.get(cls, {}), after.get(cls, {})
+        count += sum(abs(np.log(a.get(k, 1.0) / b.get(k, 1.0))) > np.log(1.05) for k in {*b, *a})
+    return count
+
+
+def skipped_lines(meas: Measurements, examples: int = 3) -> list[str]:
+    """One line per reason rows were skipped: how many, and the first few locations."""
+    by_reason: dict[str, list[str]] = {}
+    for where, reason in meas.skipped:
+        by_reason.setdefault(reason, []).append(str(where))
+    out = []
+    for reason, places in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        more = f" and {len(places) - examples} more" if len(places) > examples else ""
+        out.append(f"{len(places)} x {reason}: {', '.join(places[:examples])}{more}")
+    return out
+
+
+def _found(meas: Measurements) -> str:
+    clusters = Counter(r.cluster.name for r in meas.e2e)
+    clusters.update(r.cluster for r in meas.collectives if r.cluster)
+    families = Counter(g.gpu for g in meas.gemms)
+    parts = [f"{name} ({n})" for name, n in clusters.most_common()]
+    parts += [f"GEMMs of {fam} GPUs ({n})" for fam, n in families.most_common()]
+    return ", ".join(parts) if parts else "no usable rows"
 
 
 def run(args) -> int:
@@ -70,30 +166,64 @@ def run(args) -> int:
     from rich.table import Table
 
     console = Console(stderr=args.json)
-    meas = select(load(args.data, cluster=args.cluster), args.cluster)
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be at least 1")
+    for name in args.cluster:
+        load_cluster(name)  # an unknown preset fails here, with suggestions
+    paths = output_paths(args.cluster, args.out)
+    everything = load(args.data, cluster=args.cluster)
+    meas = select(everything, args.cluster)
     counts = {"e2e": len(meas.e2e), "collectives": len(meas.collectives), "gemm": len(meas.gemms)}
     if not any(counts.values()):
-        console.print(f"no measurements for {', '.join(args.cluster)} in the given files")
-        return 2
-    cfg = fit_mod.FitConfig(steps=args.steps)
+        raise ValueError(
+            f"no measurements for {', '.join(args.cluster)} in {', '.join(map(str, args.data))}"
+            f"; the files hold: {_found(everything)}"
+        )
     problem = fit_mod.build_problem(meas)
-    result = fit_mod.fit(meas, cfg, progress=not args.json, problem=problem)
-    paths = write_result(result, args.cluster, [str(p) for p in args.data], args.out)
-    rows = {}
-    for level, resid in result.residuals.items():
-        pre = result.initial_residuals[level]
-        rows[level] = {
+    start, start_notes = {}, {}
+    for name in problem.clusters:
+        start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
+    result = fit_mod.fit(meas, fit_mod.FitConfig(steps=args.steps), not args.json, problem, start)
+    written = []
+    for name, path in paths.items():
+        if name not in result.cluster_values:
+            continue
+        meta = {
+            "layer": "cluster+device",
+            "key": name,
+            "gpu_family": _family(name),
+            "fitted_on": [str(p) for p in args.data],
+            "started_from": start_notes[name],
+            "command": "diffcost calibrate",
+        }
+        written.append(prof.write_profile(path, fitted_values(result, name), meta))
+    rows = {
+        level: {
             "rows": int(resid.size),
-            "mape_before_pct": _mape(pre),
+            "mape_before_pct": _mape(result.initial_residuals[level]),
             "mape_after_pct": _mape(resid),
         }
+        for level, resid in result.residuals.items()
+    }
+    changes = {
+        name: moved(prof.to_values(start[name]), fitted_values(result, name))
+        for name in args.cluster
+        if name in result.cluster_values
+    }
     summary = {
         "clusters": args.cluster,
+        "started_from": {c: start_notes[c] for c in args.cluster if c in start_notes},
         "rows": rows,
+        "skipped": skipped_lines(meas),
         "steps": result.steps,
+        "max_steps": args.steps,
         "seconds": result.seconds,
         "converged": result.converged,
-        "written": [str(p) for p in paths],
+        "written": [str(p) for p in written],
+        "moved": {
+            c: [{"constant": n, "before": b, "after": a} for n, b, a in v]
+            for c, v in changes.items()
+        },
         "device": result.device_values,
         "cluster": result.cluster_values,
     }
@@ -102,10 +232,9 @@ def run(args) -> int:
 
         print(json.dumps(summary, indent=2))
         return 0
-    t = Table(
-        title=f"calibration of {', '.join(args.cluster)} ({result.steps} steps, "
-        f"{result.seconds:.1f} s, {'converged' if result.converged else 'step limit'})"
-    )
+    for line in summary["skipped"]:
+        console.print(f"skipped {line}")
+    t = Table(title=f"calibration of {', '.join(args.cluster)}")
     for col in ("level", "rows", "MAPE before %", "MAPE after %"):
         t.add_column(col, justify="right" if col != "level" else "left")
     for level, r in rows.items():
@@ -113,6 +242,26 @@ def run(args) -> int:
             level, str(r["rows"]), f"{r['mape_before_pct']:.1f}", f"{r['mape_after_pct']:.1f}"
         )
     console.print(t)
-    for p in paths:
-        console.print(f"wrote {p}")
+    for name in args.cluster:
+        if name in start_notes:
+            console.print(f"{name} started from: {start_notes[name]} (the 'before' column)")
+    stop = (
+        f"converged after {result.steps} steps (loss changed < {fit_mod.FitConfig.tol:g} over "
+        f"{fit_mod.FitConfig.patience} steps)"
+        if result.converged
+        else f"stopped at the step limit, {result.steps} steps (not converged: raise --steps)"
+    )
+    console.print(f"{stop}, {result.seconds:.1f} s")
+    for name, rows_moved in changes.items():
+        if not rows_moved:
+            console.print(f"{name}: no constant moved")
+            continue
+        m = Table(title=f"{name}: constants that moved most")
+        for col in ("constant", "before", "after"):
+            m.add_column(col, justify="left" if col == "constant" else "right")
+        for label, b, a in rows_moved:
+            m.add_row(label, *(("", "") if label.startswith("GEMM") else (f"{b:.4g}", f"{a:.4g}")))
+        console.print(m)
+    for p in written:
+        console.print(f"wrote {p} (use it with --profile {p})")
     return 0

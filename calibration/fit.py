@@ -108,7 +108,7 @@ class FitResult:
     seconds: float
     converged: bool
     residuals: dict[str, np.ndarray]  # level -> log(pred / meas) at the end
-    initial_residuals: dict[str, np.ndarray]  # the same at the datasheet defaults
+    initial_residuals: dict[str, np.ndarray]  # the same at the starting constants
 
 
 def _leaves(fields):
@@ -293,24 +293,45 @@ def predict_log(dev_tab, clu_tab, data, temperature):
     return out
 
 
-def initial_tables(problem: Problem, dtype=None):
-    """Every device and cluster row at the datasheet defaults."""
+def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None = None):
+    """Every device and cluster row at its starting constants: the datasheet defaults, or
+    ``start[cluster]`` (e.g. the cluster's calibrated profile) for the clusters it names; a
+    family's device row starts from its first such cluster."""
     p0 = default_params(dtype)
-    dev = {
-        leaf: jnp.stack([getattr(p0, leaf)] * max(1, len(problem.families)))
-        for leaf in DEVICE_LEAVES
-    }
-    clu = {
-        leaf: jnp.stack([getattr(p0, leaf)] * max(1, len(problem.clusters)))
-        for leaf in CLUSTER_LEAVES
-    }
-    return dev, clu
+    start = start or {}
+    by_cluster = [start.get(name, p0) for name in problem.clusters]
+    by_family = []
+    for fam in problem.families:
+        same = [
+            start[name]
+            for name in problem.clusters
+            if name in start and gpu_family(load_cluster(name).gpu.name) == fam
+        ]
+        by_family.append(same[0] if same else p0)
+
+    def rows(params_list, leaves):
+        params_list = params_list or [p0]
+        return {
+            leaf: jnp.stack(
+                [jnp.asarray(getattr(p, leaf), p0.gemm_eff_logit.dtype) for p in params_list]
+            )
+            for leaf in leaves
+        }
+
+    return rows(by_family, DEVICE_LEAVES), rows(by_cluster, CLUSTER_LEAVES)
 
 
-def make_loss(problem: Problem, cfg: FitConfig, dtype=None, with_logs: bool = False) -> Callable:
-    """``loss(tables, data)``: the weighted Huber loss of every level plus the prior; with
-    ``with_logs`` it returns ``(loss, {level: log predicted time})``."""
-    dev0, clu0 = initial_tables(problem, dtype)
+def make_loss(
+    problem: Problem,
+    cfg: FitConfig,
+    dtype=None,
+    with_logs: bool = False,
+    start: dict[str, Params] | None = None,
+) -> Callable:
+    """``loss(tables, data)``: the weighted Huber loss of every level plus the prior (centred
+    on the starting constants, ``initial_tables``); with ``with_logs`` it returns
+    ``(loss, {level: log predicted time})``."""
+    dev0, clu0 = initial_tables(problem, dtype, start)
     level_w = dict(zip(("e2e", "coll", "gemm"), cfg.weights))
 
     def loss_fn(tables, data):
@@ -344,12 +365,12 @@ def prior_curvature(problem: Problem, cfg: FitConfig, dtype=None):
     )
 
 
-def make_step(problem: Problem, cfg: FitConfig):
+def make_step(problem: Problem, cfg: FitConfig, start: dict[str, Params] | None = None):
     """(step, optimizer): one jit-compiled Adam step ``(tables, state, data) -> (tables, state,
     loss, logs)`` on ``problem``'s loss, where ``logs`` are the log predicted times per level at
     the tables passed in. Compiled with ``diffcost.cache.FAST_CPU_COMPILE`` on the CPU (the
     vmapped simulator's gradient compiles in about half the time, and runs no slower)."""
-    loss_fn = make_loss(problem, cfg, with_logs=True)
+    loss_fn = make_loss(problem, cfg, with_logs=True, start=start)
     opt = optax.adam(optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05))
 
     def step(tables, state, data):
@@ -365,19 +386,25 @@ def fit(
     cfg: FitConfig = FitConfig(),
     progress: bool = True,
     problem: Problem | None = None,
+    start: dict[str, Params] | None = None,
 ) -> FitResult:
-    """Fit device and cluster constants to ``meas``; returns the fitted values and residuals."""
+    """Fit device and cluster constants to ``meas``; returns the fitted values and residuals.
+
+    ``start``: cluster name -> the Params its rows start from and its prior is centred on
+    (default: the datasheet defaults), so a fit on data about one level refines a calibrated
+    profile instead of resetting what the data do not cover.
+    """
     # optax's schedules mix integer step counts and floats: standard promotion while fitting
     with jax.numpy_dtype_promotion("standard"):
-        return _fit(meas, cfg, progress, problem)
+        return _fit(meas, cfg, progress, problem, start)
 
 
-def _fit(meas, cfg, progress, problem) -> FitResult:
+def _fit(meas, cfg, progress, problem, start) -> FitResult:
     problem = build_problem(meas) if problem is None else problem
     if not problem.data:
         raise ValueError("no usable measurements: nothing maps to a known cluster or GPU family")
-    tables = initial_tables(problem)
-    step, opt = make_step(problem, cfg)
+    tables = initial_tables(problem, start=start)
+    step, opt = make_step(problem, cfg, start)
     state = opt.init(tables)
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -437,18 +464,21 @@ class _progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._p = Progress(
-            TextColumn("calibrating"),
+            TextColumn("{task.description}"),
             BarColumn(),
             TextColumn("{task.completed}/{task.total}"),
-            TextColumn("loss {task.fields[loss]:.4g}"),
+            TextColumn("{task.fields[loss]}"),
             TimeElapsedColumn(),
             transient=True,
         )
-        self._task = self._p.add_task("fit", total=total, loss=float("nan"))
+        # the first step compiles the whole fit (tens of seconds) before any loss exists
+        self._task = self._p.add_task("compiling the fit step", total=total, loss="")
         self._p.start()
 
     def update(self, done, loss):
-        self._p.update(self._task, completed=done, loss=loss)
+        self._p.update(
+            self._task, completed=done, loss=f"loss {loss:.4g}", description="calibrating"
+        )
 
     def close(self):
         self._p.stop()

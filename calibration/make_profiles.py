@@ -51,7 +51,11 @@ def main(argv=None) -> int:
             f"after {command._mape(resid):6.1f}%"
         )
     print(f"{result.steps} steps in {result.seconds:.1f} s")
-    paths = command.write_result(result, problem.clusters, [str(f) for f in files])
+    meta = {
+        "fitted_on": [str(f) for f in files],
+        "command": f"python -m calibration.make_profiles --steps {args.steps}",
+    }
+    paths = command.write_layers(result, problem.clusters, meta)
     for p in paths:
         print(f"wrote {p}")
     return 0

@@ -167,7 +167,8 @@ def apply_values(params: Params, values: dict, where: str = "profile") -> Params
         else:
             raw = _to_raw(kind, value)
         if not np.all(np.isfinite(raw)):
-            raise ProfileError(f"{where}: {name}={value!r} is out of range for a {kind} constant")
+            valid = "a fraction strictly between 0 and 1" if kind == "logit" else "a number above 0"
+            raise ProfileError(f"{where}: {name}={value!r} is out of range: it must be {valid}")
         updates[leaf] = jnp.asarray(raw, dtype=getattr(params, leaf).dtype)
     return params.replace(**updates)
 
@@ -178,6 +179,8 @@ def _read(path: Path) -> dict:
             doc = yaml.safe_load(fh) or {}
     except yaml.YAMLError as e:
         raise ProfileError(f"{path}: not valid YAML: {e}") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{path} is a folder; give a profile file (.yaml)") from None
     if not isinstance(doc, dict) or "constants" not in doc:
         raise ProfileError(f"{path}: expected a mapping with 'constants'")
     return doc
@@ -191,38 +194,90 @@ def cluster_path(cluster: str) -> Path:
     return PROFILES_DIR / f"{cluster}.yaml"
 
 
+def profile_family(doc: dict) -> str | None:
+    """The GPU family a profile's constants were fitted on: its ``gpu_family`` entry, else the
+    family of its ``key`` (a family for a device layer, a cluster preset otherwise); None when
+    the file does not say."""
+    if doc.get("gpu_family"):
+        return str(doc["gpu_family"])
+    key = doc.get("key")
+    if not key:
+        return None
+    if doc.get("layer") == "device":
+        return str(key)
+    from diffcost.config import ConfigError, load_cluster
+
+    try:
+        return gpu_family(load_cluster(str(key)).gpu.name)
+    except ConfigError:
+        return None
+
+
+def _explicit(cluster: ClusterSpec, family: str, path: Path, params: Params):
+    """``params`` with the profile file at ``path`` applied, and the note; refuses a profile
+    fitted on another GPU family (its kernel constants would be another GPU's)."""
+    if not path.exists():
+        raise ProfileError(
+            f"profile file {path} does not exist (give a file written by diffcost calibrate, "
+            "or 'none' for datasheet defaults)"
+        )
+    doc = _read(path)
+    fitted = profile_family(doc)
+    key = doc.get("key", "?")
+    if fitted is not None and fitted != family:
+        raise ProfileError(
+            f"{path} was fitted on {key} ({fitted} GPUs) but {cluster.name} has "
+            f"{cluster.gpu.name} GPUs ({family}): give a profile fitted on a cluster with "
+            f"{family} GPUs, or --profile none for datasheet defaults"
+        )
+    params = apply_values(params, doc["constants"], str(path))
+    names = set(doc["constants"])
+    missing = [
+        group
+        for group, fields in (("device", DEVICE_FIELDS), ("cluster", CLUSTER_FIELDS))
+        if not names & set(fields)
+    ]
+    layer = doc.get("layer", "profile")
+    fitted_on = f", fitted on {key}" if key != cluster.name else ""
+    note = f"{layer} profile {path.name}{fitted_on}"
+    if missing:
+        note += f"; {' and '.join(missing)} constants: datasheet defaults"
+    return params, note
+
+
 def params_for(cluster: ClusterSpec, profile: str | os.PathLike | None = None, dtype=None):
     """(Params, note) for ``cluster``.
 
     Args:
         profile: None for the default layering (device file, then cluster file); ``"none"``
-            for datasheet defaults; or a path to a cluster profile file.
+            for datasheet defaults; or a path to a profile file (applied over the datasheet
+            defaults; one fitted on another GPU family raises ProfileError).
 
     Returns:
-        The Params and a one-line note saying which layers were used.
+        The Params and a one-line note saying which layers were used and which constants are
+        datasheet defaults.
     """
     params = default_params(dtype)
+    family = gpu_family(cluster.gpu.name)
     if profile is not None and str(profile) == "none":
         return params, "datasheet defaults (--profile none)"
-    used = []
-    family = gpu_family(cluster.gpu.name)
-    if profile is None:
-        dev = device_path(family)
-        if dev.exists():
-            params = apply_values(params, _read(dev)["constants"], str(dev))
-            used.append(f"device profile {dev.name}")
-        path = cluster_path(cluster.name)
-    else:
-        path = Path(profile)
-        if not path.exists():
-            raise ProfileError(f"profile file {path} does not exist")
+    if profile is not None:
+        return _explicit(cluster, family, Path(profile), params)
+    used, dev, path = [], device_path(family), cluster_path(cluster.name)
+    if dev.exists():
+        params = apply_values(params, _read(dev)["constants"], str(dev))
+        used.append(f"device profile {dev.name}")
     if path.exists():
-        doc = _read(path)
-        params = apply_values(params, doc["constants"], str(path))
+        params = apply_values(params, _read(path)["constants"], str(path))
         used.append(f"cluster profile {path.name}")
     if not used:
         return params, f"no calibrated profile for {cluster.name} ({family}): datasheet defaults"
-    return params, " + ".join(used)
+    note = " + ".join(used)
+    if not dev.exists():
+        note += f"; device constants: datasheet defaults (no profile for {family} GPUs)"
+    elif not path.exists():
+        note += f"; cluster constants: datasheet defaults (no profile for {cluster.name})"
+    return params, note
 
 
 def write_profile(path: Path, values: dict, meta: dict) -> Path:

@@ -159,7 +159,10 @@ def cmd_validate(args) -> int:
     console = Console()
     t = Table(title=f"validation against {args.csv}")
     for col in ("source", "rows", "predicted", "skipped", "MAPE %", "max APE %", "Kendall tau"):
-        t.add_column(col, justify="left" if col == "source" else "right")
+        if col == "source":  # names are long; wrap them on a narrow terminal, never cut them
+            t.add_column(col, overflow="fold", min_width=12)
+        else:
+            t.add_column(col, justify="right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for name, s in [*out["by_source"].items(), ("all", out["summary"])]:
         t.add_row(
@@ -204,8 +207,10 @@ def cmd_validate(args) -> int:
 def cmd_explain(args) -> int:
     from diffcost import explain
 
+    if args.top is not None and args.top < 1:
+        raise config_mod.ConfigError(f"--top {args.top}: must be at least 1")
     exp = config_mod.load_experiment(args.config, args.overrides)
-    d = explain.explain(exp)
+    d = explain.explain(exp, profile=args.profile)
     d["elasticities"] = d["elasticities"][: args.top]
     if args.json:
         print(json.dumps(d, indent=2))
@@ -370,8 +375,23 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="cluster preset to calibrate (repeat for a joint fit)",
     )
-    c.add_argument("--out", help="write one profile file here instead of calibration/profiles/")
-    c.add_argument("--steps", type=int, default=600, help="maximum optimizer steps")
+    c.add_argument(
+        "--out",
+        metavar="FILE|DIR/",
+        help="profile file to write (one cluster), or a folder for <cluster>-profile.yaml "
+        "files (default: <cluster>-profile.yaml here; the shipped profiles are rebuilt by "
+        "python -m calibration.make_profiles)",
+    )
+    c.add_argument(
+        "--from",
+        dest="start",
+        metavar="PROFILE",
+        help="constants to start from and stay near where the data say nothing: a profile "
+        "file, or 'none' for datasheet defaults (default: the cluster's calibrated profile)",
+    )
+    c.add_argument(
+        "--steps", type=int, default=600, help="maximum optimizer steps (default: %(default)s)"
+    )
     c.add_argument("--json", action="store_true", help="print one JSON summary")
     c.set_defaults(func=cmd_calibrate)
     e = sub.add_parser("explain", help="elasticity of iteration time to every hardware knob")
@@ -379,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. plan.tp=4")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--top", type=int, metavar="N", help="only the N largest magnitudes")
+    e.add_argument("--profile", help="calibrated profile file, or 'none' for datasheet defaults")
     e.set_defaults(func=cmd_explain)
     s = sub.add_parser("search", help="find a fast plan that fits (gradient descent + polish)")
     _add_space_arguments(s)

@@ -31,7 +31,7 @@ import numpy as np
 from diffcost import smooth
 from diffcost.arrays import GiB
 from diffcost.cache import fast_compile_jit
-from diffcost.params import Params, default_params
+from diffcost.params import Params
 from diffcost.simulate import STATUS_NAMES, simulate
 from diffcost.specs import PRECISIONS, Experiment
 
@@ -136,16 +136,6 @@ def _perturb(u, cluster, params: Params, masks, knobs):
     return cluster, params.replace(**changes)
 
 
-def _params_for(exp: Experiment) -> tuple[Params, str]:
-    """The constants ``diffcost predict`` uses for this experiment (calibrated profile if any)."""
-    from diffcost import api
-
-    params_for = getattr(api, "params_for", None)
-    if params_for is None:
-        return default_params(), "datasheet defaults"
-    return params_for(exp)
-
-
 def _log_time_and_grad(u, model, plan, cluster, params, masks, knobs, temperature):
     """The prediction and ``d ln T / d u``: one forward and one reverse pass."""
 
@@ -166,20 +156,24 @@ def explain(
     exp: Experiment,
     params: Params | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
+    profile=None,
 ) -> dict:
     """Prediction summary and elasticities of one experiment (the ``explain --json`` object).
 
     Returns:
         ``{"iteration_s", "status", "memory_peak_bytes", "memory_capacity_bytes",
         "memory_headroom_bytes", "constants", "elasticities"}``; ``elasticities`` as in
-        ``elasticities``, ``constants`` says which Params were used.
+        ``elasticities``, ``constants`` says which Params were used. ``profile`` picks the
+        constants when ``params`` is None, as ``predict --profile`` does
+        (``diffcost.api.params_for``: None for the cluster's calibrated profile, ``"none"``
+        for datasheet defaults, or a profile file).
     """
-    from diffcost.api import experiment_arrays, load
+    from diffcost.api import experiment_arrays, load, params_for
 
     exp = load(exp)
     note = "given Params"
     if params is None:
-        params, note = _params_for(exp)
+        params, note = params_for(exp, profile)
     model, plan, cluster = experiment_arrays(exp)
     dtype = np.asarray(cluster.hbm_Bps).dtype
     # one dtype, no weak types: every call hits the same compiled program

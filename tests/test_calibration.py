@@ -9,6 +9,7 @@ import pytest
 
 from calibration import fit as fit_mod
 from calibration import profile as prof
+from calibration.command import moved as calibrate_moved
 from calibration.readers import FAMILY_CLUSTER, CollectiveRecord, GemmRecord, Measurements, Source
 from diffcost import kernels
 from diffcost.arrays import cluster_arrays
@@ -142,6 +143,24 @@ def test_profile_errors(tmp_path):
         prof.params_for(load_cluster(CLUSTER), bad)
     with pytest.raises(prof.ProfileError, match="does not exist"):
         prof.params_for(load_cluster(CLUSTER), tmp_path / "missing.yaml")
+    with pytest.raises(prof.ProfileError, match="is a folder"):
+        prof.params_for(load_cluster(CLUSTER), tmp_path)
+
+
+def test_a_profile_fitted_on_another_gpu_is_refused(tmp_path):
+    fitted = prof.write_profile(
+        tmp_path / "a100.yaml", {"nic_eff": 0.5}, {"layer": "cluster+device", "key": CLUSTER}
+    )
+    params, note = prof.params_for(load_cluster("selene-a100-80g"), fitted)  # same GPU: fine
+    assert prof.to_values(params)["nic_eff"] == pytest.approx(0.5)
+    assert "fitted on vtrain-a100" in note and "device constants: datasheet defaults" in note
+    with pytest.raises(prof.ProfileError, match=r"fitted on vtrain-a100 \(a100 GPUs\).*h100"):
+        prof.params_for(load_cluster("dgx-h100"), fitted)
+    device = prof.write_profile(
+        tmp_path / "dev.yaml", {"mem_eff": 0.5}, {"layer": "device", "key": "h100"}
+    )
+    with pytest.raises(prof.ProfileError, match="fitted on h100"):
+        prof.params_for(load_cluster(CLUSTER), device)
 
 
 def test_assemble_gathers_layers():
@@ -155,6 +174,28 @@ def test_assemble_gathers_layers():
     np.testing.assert_allclose(p.mem_eff_logit, [p0.mem_eff_logit + 1.0, p0.mem_eff_logit])
     np.testing.assert_allclose(p.nic_eff_logit, [p0.nic_eff_logit - 1.0, p0.nic_eff_logit])
     assert dataclasses.is_dataclass(p) and jax.tree_util.tree_leaves(p)
+
+
+def test_fit_from_a_profile_keeps_what_the_data_cannot_see():
+    meas = _synthetic_collectives()
+    problem = fit_mod.build_problem(meas)
+    start = prof.apply_values(
+        default_params(), {"optimizer_bytes_per_param": 12.0, "mem_eff": 0.5, "nvlink_eff": 0.9}
+    )
+    result = fit_mod.fit(meas, fit_mod.FitConfig(steps=100), False, problem, start={CLUSTER: start})
+    # collectives say nothing about the optimizer or memory-bound kernels: they keep the
+    # starting profile's values, not the datasheet's (28 B/param, 0.8)
+    assert result.cluster_values[CLUSTER]["optimizer_bytes_per_param"] == pytest.approx(12.0)
+    assert result.device_values["a100"]["mem_eff"] == pytest.approx(0.5, rel=1e-4)
+    # "before" is the start's error, and the fit still finds the true link efficiency
+    tables = fit_mod.initial_tables(problem, start={CLUSTER: start})
+    at_start = np.asarray(
+        fit_mod.predict_log(*tables, problem.data, 1e-3)["coll"] - problem.data["coll"]["log_meas"]
+    )
+    np.testing.assert_allclose(result.initial_residuals["coll"], at_start, rtol=1e-5, atol=1e-6)
+    # and the fit moves the link efficiency from the start (0.9) toward the truth (0.6)
+    assert TRUE_NVLINK_EFF - 0.02 < result.cluster_values[CLUSTER]["nvlink_eff"] < 0.85
+    assert np.mean(np.abs(result.residuals["coll"])) < np.mean(np.abs(at_start)) / 2
 
 
 def test_calibrate_command_writes_a_profile_and_reports_before_after(tmp_path, capsys):
@@ -293,3 +334,45 @@ def test_shape_grid_profile_round_trip_and_errors(tmp_path):
         bad.write_text(f"constants: {{gemm_shape_eff: {text}}}\n")
         with pytest.raises(prof.ProfileError, match=error):
             prof.params_for(load_cluster(CLUSTER), bad)
+
+
+def test_calibrate_command_leaves_the_shipped_profiles_alone(tmp_path, monkeypatch, capsys):
+    import json
+    from pathlib import Path
+
+    from diffcost import cli
+
+    shipped = {p: p.read_bytes() for p in prof.PROFILES_DIR.glob("*.yaml")}
+    log = Path(__file__).parent / "data" / "readers_nccl_all_reduce.txt"
+    monkeypatch.chdir(tmp_path)
+    argv = ["calibrate", "--cluster", "dgx-h100", str(log), "--steps", "30", "--json"]
+    assert cli.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["written"] == ["dgx-h100-profile.yaml"]
+    assert "device profile device-h100.yaml" in summary["started_from"]["dgx-h100"]
+    written = prof._read(tmp_path / "dgx-h100-profile.yaml")
+    assert written["gpu_family"] == "h100" and written["layer"] == "cluster+device"
+    # constants the all-reduce log cannot see stay at the shipped profile's values
+    shipped_values = prof.to_values(prof.params_for(load_cluster("dgx-h100"))[0])
+    for name in ("optimizer_bytes_per_param", "iteration_overhead_s", "mem_eff"):
+        assert written["constants"][name] == pytest.approx(shipped_values[name], rel=1e-3)
+    assert {p: p.read_bytes() for p in prof.PROFILES_DIR.glob("*.yaml")} == shipped
+    # one file cannot hold two clusters: refused before any fitting
+    two = ["calibrate", "--cluster", "dgx-h100", "--cluster", "dgx-b200", str(log)]
+    assert cli.main([*two, "--out", "both.yaml"]) == 2
+    assert "one file holds one cluster's profile" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--cluster", "dgx-h100", str(log), "--steps", "0"]) == 2
+    assert "--steps 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_moved_ranks_constants_by_their_move_in_prior_widths():
+    before = prof.to_values(default_params())
+    after = dict(before, nic_eff=0.5, host_op_s=before["host_op_s"] * 1.01)
+    after["gemm_shape_eff"] = {"high": {"1024x1024x1024": 0.8, "128x128x128": 1.01}}
+    rows = calibrate_moved(before, after)
+    assert [r[0] for r in rows] == [
+        "GEMM shape grid: 1 nodes moved > 5%",
+        "nic_eff",
+        "host_op_s",
+    ]
+    assert rows[1][1:] == (pytest.approx(before["nic_eff"]), pytest.approx(0.5))

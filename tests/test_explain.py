@@ -11,7 +11,7 @@ import pytest
 
 from diffcost import api, cli
 from diffcost.cache import FAST_CPU_COMPILE
-from diffcost.explain import _params_for, elasticities, explain, reading
+from diffcost.explain import elasticities, explain, reading
 from diffcost.params import default_params
 from diffcost.simulate import simulate
 
@@ -167,9 +167,24 @@ def test_cli_json_and_table(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["iteration_s"] > 0 and len(d["elasticities"]) == 5
     exp = api.load(GPT1B)
-    params, _ = _params_for(exp)  # what predict uses (calibrated profile or defaults)
+    params, _ = api.params_for(exp)  # what predict uses (calibrated profile or defaults)
     params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float64), params)
     assert d["iteration_s"] == pytest.approx(np.exp(_log_time(exp, params)), rel=1e-9)
     assert cli.main(["explain", GPT1B, "cluster.gpu.memory_GiB=2", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "peak FLOP/s" in out and "→" in out and "OUT OF MEMORY" in out
+
+
+def test_cli_profile_picks_the_constants_like_predict(capsys):
+    # gpt-1b-vtrain runs on vtrain-a100, which has a calibrated profile
+    assert cli.main(["explain", GPT1B, "--json", "--profile", "none"]) == 0
+    none = json.loads(capsys.readouterr().out)
+    assert cli.main(["explain", GPT1B, "--json"]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert "datasheet defaults" in none["constants"]
+    assert "cluster profile vtrain-a100.yaml" in calibrated["constants"]
+    assert none["iteration_s"] != pytest.approx(calibrated["iteration_s"], rel=1e-3)
+    params, _ = api.params_for(api.load(GPT1B), "none")
+    assert none["iteration_s"] == pytest.approx(explain(GPT1B, params)["iteration_s"], rel=1e-9)
+    assert cli.main(["explain", GPT1B, "--top", "0"]) == 2
+    assert "--top 0: must be at least 1" in capsys.readouterr().err
