@@ -234,6 +234,15 @@ def run(args) -> int:
         return 0
     for line in summary["skipped"]:
         console.print(f"skipped {line}")
+    others = _found(
+        Measurements(
+            e2e=[r for r in everything.e2e if r.cluster.name not in args.cluster],
+            collectives=[r for r in everything.collectives if r.cluster not in args.cluster],
+            gemms=[g for g in everything.gemms if g not in meas.gemms],
+        )
+    )
+    if others != "no usable rows":
+        console.print(f"not used (other clusters or GPUs): {others}")
     t = Table(title=f"calibration of {', '.join(args.cluster)}")
     for col in ("level", "rows", "MAPE before %", "MAPE after %"):
         t.add_column(col, justify="right" if col != "level" else "left")

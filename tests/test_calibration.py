@@ -376,3 +376,11 @@ def test_moved_ranks_constants_by_their_move_in_prior_widths():
         "host_op_s",
     ]
     assert rows[1][1:] == (pytest.approx(before["nic_eff"]), pytest.approx(0.5))
+
+
+def test_found_names_what_the_files_hold():
+    from calibration.command import _found
+
+    meas = _synthetic_collectives()
+    assert _found(meas) == f"{CLUSTER} ({len(meas.collectives)})"
+    assert _found(Measurements()) == "no usable rows"
