@@ -76,6 +76,14 @@ class ProfileError(ValueError):
     """A profile file is missing, malformed or names unknown constants."""
 
 
+class ProfileMismatch(ProfileError):
+    """A profile file was fitted on another GPU family than the cluster's."""
+
+    def __init__(self, path, reason: str, advice: str):
+        self.reason = reason  # "P was fitted on K (a100 GPUs) but C has ... GPUs (h100)"
+        super().__init__(f"{reason}: {advice}")
+
+
 def _to_raw(kind: str, value):
     v = np.asarray(value, dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"):  # out-of-range values become nan
@@ -225,10 +233,12 @@ def _explicit(cluster: ClusterSpec, family: str, path: Path, params: Params):
     fitted = profile_family(doc)
     key = doc.get("key", "?")
     if fitted is not None and fitted != family:
-        raise ProfileError(
+        raise ProfileMismatch(
+            path,
             f"{path} was fitted on {key} ({fitted} GPUs) but {cluster.name} has "
-            f"{cluster.gpu.name} GPUs ({family}): give a profile fitted on a cluster with "
-            f"{family} GPUs, or --profile none for datasheet defaults"
+            f"{cluster.gpu.name} GPUs ({family})",
+            f"give a profile fitted on a cluster with {family} GPUs, or --profile none for "
+            "datasheet defaults",
         )
     params = apply_values(params, doc["constants"], str(path))
     names = set(doc["constants"])

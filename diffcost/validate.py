@@ -357,6 +357,20 @@ def _summary(results: list[RowResult]) -> dict:
     }
 
 
+def _cluster_params(cluster, params: Params | None, profile):
+    """(cluster arrays, Params, note) for a cluster's rows; (None, None, reason) when the
+    profile file given was fitted on another GPU family, whose rows are then skipped."""
+    if params is not None:
+        return cluster_arrays(cluster), params, "parameters given by the caller"
+    from calibration.profile import ProfileMismatch, params_for
+
+    try:
+        cparams, note = params_for(cluster, profile)
+    except ProfileMismatch as e:
+        return None, None, f"not predicted: {e.reason}"
+    return cluster_arrays(cluster), cparams, note
+
+
 def validate(path: str | os.PathLike, params: Params | None = None, profile=None) -> dict:
     """Predict every row of a measurement CSV; per-row and per-source errors.
 
@@ -367,7 +381,8 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
         were used. ``params`` (one set for every row) overrides ``profile``; ``profile`` is None
         for each cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a
         profile file. Rows with a blank or non-positive ``measured_iter_s`` are skipped (their
-        ``skipped`` says why) and count in no error figure.
+        ``skipped`` says why) and count in no error figure, and so are rows on a cluster of
+        another GPU family than a given profile file's.
 
     Raises:
         ValueError: the file is not a readable end-to-end CSV (see :func:`read_rows`).
@@ -400,14 +415,11 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
             continue
         r.defaults = used
         if cluster.name not in cluster_cache:
-            if params is None:
-                from calibration.profile import params_for
-
-                cparams, note = params_for(cluster, profile)
-            else:
-                cparams, note = params, "parameters given by the caller"
-            cluster_cache[cluster.name] = (cluster_arrays(cluster), cparams, note)
-        carr, cparams, _note = cluster_cache[cluster.name]
+            cluster_cache[cluster.name] = _cluster_params(cluster, params, profile)
+        carr, cparams, note = cluster_cache[cluster.name]
+        if carr is None:  # the profile file is another GPU's
+            r.skipped = note
+            continue
         batch.append((r, model_arrays(model), plan_arrays(plan), carr, cparams))
     if batch:
         models = stack([b[1] for b in batch])
@@ -431,5 +443,5 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
         "summary": _summary(results),
         "by_source": {k: _summary(v) for k, v in by_source.items()},
         "rows": [dataclasses.asdict(r) for r in results],
-        "profiles": {name: v[2] for name, v in cluster_cache.items()},
+        "profiles": {name: v[2] for name, v in cluster_cache.items() if v[0] is not None},
     }

@@ -140,3 +140,22 @@ def test_rows_are_read_with_their_lines(tmp_path):
     bom = tmp_path / "bom.csv"
     bom.write_text(E2E.read_text().replace(",24,", ", 24 ,", 1), encoding="utf-8-sig")
     assert read_rows(bom) == read_rows(E2E)
+
+
+def test_a_profile_of_another_gpu_skips_that_gpus_rows(tmp_path):
+    """``--profile FILE`` fitted on A100s predicts the A100 rows with it; rows on H100
+    clusters are skipped with the reason, not predicted with another GPU's constants."""
+    from calibration import profile as prof
+
+    fitted = prof.write_profile(
+        tmp_path / "a100.yaml", {"nic_eff": 0.5}, {"layer": "cluster+device", "key": "vtrain-a100"}
+    )
+    out = validate(E2E, profile=fitted)
+    by_cluster = {r["cluster"]: r for r in out["rows"][:3]}  # one row per cluster
+    assert by_cluster["vtrain-a100"]["predicted_iter_s"] is not None
+    for name in ("mosaic-h100", "dgx-h100"):
+        assert by_cluster[name]["predicted_iter_s"] is None
+        assert by_cluster[name]["skipped"].startswith(
+            f"not predicted: {fitted} was fitted on vtrain-a100 (a100 GPUs) but {name} has"
+        )
+    assert set(out["profiles"]) == {"vtrain-a100"}
