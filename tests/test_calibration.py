@@ -304,7 +304,9 @@ def test_fit_learns_a_slow_gemm_shape():
                         )
                     )
     meas = Measurements(e2e=[], collectives=[], gemms=records, skipped=[])
-    result = fit_mod.fit(meas, fit_mod.FitConfig(steps=300, tol=-1.0), progress=False)
+    # 54 rows: full weight against the prior (this tests the grid, not the small-data prior)
+    cfg = fit_mod.FitConfig(steps=300, tol=-1.0, full_rows=1)
+    result = fit_mod.fit(meas, cfg, progress=False)
     grids = result.device_values["h100"]["gemm_shape_eff"]
     high = grids["high"]
     assert high["x".join(map(str, slow))] == pytest.approx(1 / 1.3, rel=0.05)
@@ -384,3 +386,19 @@ def test_found_names_what_the_files_hold():
     meas = _synthetic_collectives()
     assert _found(meas) == f"{CLUSTER} ({len(meas.collectives)})"
     assert _found(Measurements()) == "no usable rows"
+
+
+def test_a_level_with_few_rows_weighs_less_against_the_prior():
+    """24 synthetic all-reduce rows: at full weight (full_rows=1) the fit moves the link
+    efficiency most of the way to the truth; counted as 24 of 2,400 rows it stays nearer
+    the datasheet, since the same data now carry a hundredth of the weight."""
+    meas = _synthetic_collectives()
+    default = prof.to_values(default_params())["nvlink_eff"]
+    moved = {}
+    for full_rows in (1, 2400):
+        cfg = fit_mod.FitConfig(steps=200, full_rows=full_rows, prior_weight=1e-4)
+        moved[full_rows] = abs(
+            fit_mod.fit(meas, cfg, progress=False).cluster_values[CLUSTER]["nvlink_eff"] - default
+        )
+    assert moved[1] > 0.5 * abs(TRUE_NVLINK_EFF - default)
+    assert moved[2400] < 0.5 * moved[1]
