@@ -273,4 +273,7 @@ def run(args) -> int:
         console.print(m)
     for p in written:
         console.print(f"wrote {p} (use it with --profile {p})")
+    for name in args.cluster:
+        if name not in result.cluster_values:
+            console.print(f"no measurements of {name} in the files: no profile written for it")
     return 0
