@@ -274,8 +274,12 @@ def format_elasticity(e: float) -> str:
     return "0.00" if text in ("+0.00", "-0.00") else text
 
 
-def reading(e: float) -> str:
-    """``+10% -> -6.0% time``: the change of a 10% larger parameter (exact for a power law)."""
+def reading(e: float, value: float | None = None, unit: str | None = None) -> str:
+    """``+10% -> -6.0% time``: the change of a 10% larger parameter (exact for a power law).
+    A percentage within 10% of 100 (an efficiency of 95%) cannot grow by a tenth: it reads
+    ``+1 pt -> ...``, one percentage point more."""
+    if unit == "%" and value is not None and 100.0 / 1.1 < value < 100.0:
+        return f"+1 pt → {((1.0 + 1.0 / value) ** e - 1.0) * 100.0:+.1f}% time"
     return f"+10% → {(1.1**e - 1.0) * 100.0:+.1f}% time"
 
 
@@ -304,7 +308,12 @@ def print_table(exp: Experiment, d: dict, top: int | None = None) -> None:
     for r in d["elasticities"][:top]:
         name = r["name"] if r["group"] == _HARDWARE else f"[dim]{r['name']}[/]"
         e = r["elasticity"]
-        t.add_row(name, format_value(r["value"], r["unit"]), format_elasticity(e), reading(e))
+        t.add_row(
+            name,
+            format_value(r["value"], r["unit"]),
+            format_elasticity(e),
+            reading(e, r["value"], r["unit"]),
+        )
     console = Console()
     console.print(t)
     console.print(f"[dim]dim rows: calibrated constants; {d['constants']}[/]")

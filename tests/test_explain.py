@@ -160,6 +160,10 @@ def test_single_gpu_has_no_link_elasticity():
 def test_reading():
     assert reading(-0.62) == "+10% → -5.7% time"
     assert reading(0.0) == "+10% → +0.0% time"
+    # 95% cannot grow by a tenth: one percentage point, (1 + 1/95)^-0.14 - 1 = -0.15%
+    assert reading(-0.14, 95.0, "%") == "+1 pt → -0.1% time"
+    assert reading(-14.0, 95.0, "%") == "+1 pt → -13.6% time"
+    assert reading(-0.62, 80.0, "%") == "+10% → -5.7% time"
 
 
 def test_cli_json_and_table(capsys):
