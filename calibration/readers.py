@@ -413,7 +413,8 @@ def read_e2e_csv(path) -> Measurements:
             out.skipped.append((where, "measured_iter_s blank"))
             continue
         if measured <= 0:
-            out.skipped.append((where, "measured_iter_s not positive"))
+            text = str(row["measured_iter_s"]).strip()
+            out.skipped.append((where, f"measured_iter_s {text} is not a positive time"))
             continue
         try:
             model, plan, cluster, used = _row_to_specs(row, cluster_cache)

@@ -73,6 +73,21 @@ def test_e2e_fixture():
     ]
 
 
+def test_e2e_non_positive_time_is_skipped_with_its_value(tmp_path):
+    with open(E2E, newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames, list(reader)
+    rows[0]["measured_iter_s"] = "-0.5"
+    path = tmp_path / "neg.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, header)
+        w.writeheader()
+        w.writerows(rows)
+    m = read_e2e_csv(path)
+    assert (Source(str(path), 2), "measured_iter_s -0.5 is not a positive time") in m.skipped
+    assert all(r.where.line != 2 for r in m.e2e)
+
+
 def test_e2e_family_defaults_for_blank_cells(tmp_path):
     """Blank vocab: the family's tokenizer (Nemotron 256k, Llama 3 128k, else GPT-2's); blank
     recompute: what the framework's configs for that family use."""
