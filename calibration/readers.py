@@ -37,7 +37,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
-from diffcost.validate import E2E_COLUMNS, E2E_FLOAT_COLUMNS, E2E_INT_COLUMNS
+from diffcost.validate import (
+    E2E_COLUMNS,
+    E2E_FLOAT_COLUMNS,
+    E2E_INT_COLUMNS,
+    CsvLineError,
+    data_rows,
+    number_error,
+)
 
 __all__ = [
     "COLLECTIVES",
@@ -341,24 +348,10 @@ class _Csv:
     def rows(self) -> Iterator[tuple[int, dict]]:
         """(first line of the row, {column: stripped cell}) for every non-blank row."""
         try:
-            line = self._reader.line_num + 1
-            while True:
-                try:
-                    cells = next(self._reader)
-                except StopIteration:
-                    return
-                except csv.Error as e:
-                    raise ReaderError(self.path, line, f"bad CSV: {e}") from None
-                start, line = line, self._reader.line_num + 1
-                if not any(c.strip() for c in cells):
-                    continue
-                if len(cells) != len(self.header):
-                    raise ReaderError(
-                        self.path,
-                        start,
-                        f"{len(cells)} cells, the header has {len(self.header)}",
-                    )
+            for start, cells in data_rows(self._reader, len(self.header)):
                 yield start, {k: v.strip() for k, v in zip(self.header, cells)}
+        except CsvLineError as e:
+            raise ReaderError(self.path, e.line, e.message) from None
         finally:
             self._fh.close()
 
@@ -367,17 +360,9 @@ class _Csv:
         text = row.get(col, "")
         if not text:
             return None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ReaderError(self.path, line, f"column '{col}': not a number: {text!r}") from None
-        if not math.isfinite(value):
-            raise ReaderError(self.path, line, f"column '{col}': not a finite number: {text!r}")
-        if integer:
-            if value != int(value):
-                raise ReaderError(self.path, line, f"column '{col}': not an integer: {text!r}")
-            return int(value)
-        return value
+        if why := number_error(text, integer):
+            raise ReaderError(self.path, line, f"column '{col}': {why}")
+        return int(float(text)) if integer else float(text)
 
 
 # --------------------------------------------------------------------------------------------

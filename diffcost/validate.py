@@ -13,7 +13,7 @@ import csv
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -267,9 +267,9 @@ def _simulate_batch(models, plans, clusters, params):
     return jax.vmap(simulate)(models, plans, clusters, params)
 
 
-def _number_error(text: str, integer: bool) -> str | None:
+def number_error(text: str, integer: bool) -> str | None:
     """Why a numeric cell is unreadable, or None when it is a finite number (an integer if
-    ``integer``)."""
+    ``integer``). Shared with ``calibration.readers``."""
     try:
         value = float(text)
     except ValueError:
@@ -279,6 +279,37 @@ def _number_error(text: str, integer: bool) -> str | None:
     if integer and value != int(value):
         return f"not an integer: {text!r}"
     return None
+
+
+class CsvLineError(ValueError):
+    """A CSV row that cannot be read: its first ``line`` and why (callers add the file)."""
+
+    def __init__(self, line: int, message: str):
+        self.line, self.message = line, message
+        super().__init__(f"line {line}: {message}")
+
+
+def data_rows(reader, n_columns: int) -> Iterator[tuple[int, list[str]]]:
+    """(first line, cells) of every row of a ``csv.reader`` past its header that has a
+    non-blank cell. Shared with ``calibration.readers``.
+
+    Raises:
+        CsvLineError: a row with another number of cells than ``n_columns``, or bad CSV.
+    """
+    line = reader.line_num + 1
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise CsvLineError(line, f"bad CSV: {e}") from None
+        start, line = line, reader.line_num + 1
+        if not any(c.strip() for c in cells):
+            continue
+        if len(cells) != n_columns:
+            raise CsvLineError(start, f"{len(cells)} cells, the header has {n_columns}")
+        yield start, cells
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
@@ -309,20 +340,15 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         if missing:
             raise ValueError(f"{path}: line 1: missing columns {missing}")
         rows = []
-        line = reader.line_num + 1
-        for cells in reader:
-            start, line = line, reader.line_num + 1
-            if not any(c.strip() for c in cells):
-                continue
-            if len(cells) != len(header):
-                raise ValueError(
-                    f"{path}: line {start}: {len(cells)} cells, the header has {len(header)}"
-                )
-            row = {k: v.strip() for k, v in zip(header, cells)}
-            for col in (*E2E_INT_COLUMNS, *E2E_FLOAT_COLUMNS):
-                if row.get(col) and (why := _number_error(row[col], col in E2E_INT_COLUMNS)):
-                    raise ValueError(f"{path}: line {start}: column '{col}': {why}")
-            rows.append(row)
+        try:
+            for start, cells in data_rows(reader, len(header)):
+                row = {k: v.strip() for k, v in zip(header, cells)}
+                for col in (*E2E_INT_COLUMNS, *E2E_FLOAT_COLUMNS):
+                    if row.get(col) and (why := number_error(row[col], col in E2E_INT_COLUMNS)):
+                        raise CsvLineError(start, f"column '{col}': {why}")
+                rows.append(row)
+        except CsvLineError as e:
+            raise ValueError(f"{path}: {e}") from None
     if not rows:
         raise ValueError(f"{path}: no data rows (only a header)")
     return rows
