@@ -29,13 +29,7 @@ from diffcost.config import load_cluster
 
 def select(meas: Measurements, clusters: list[str]) -> Measurements:
     """The measurements of ``clusters`` (e2e and collectives) and of their GPU families (GEMMs)."""
-    families = {prof.gpu_family(load_cluster(c).gpu.name) for c in clusters}
-    return Measurements(
-        e2e=[r for r in meas.e2e if r.cluster.name in clusters],
-        collectives=[r for r in meas.collectives if r.cluster in clusters],
-        gemms=[g for g in meas.gemms if g.gpu in families],
-        skipped=list(meas.skipped),
-    )
+    return meas.filter(cluster=clusters)
 
 
 def _mape(resid: np.ndarray) -> float:
@@ -183,7 +177,8 @@ def run(args) -> int:
     start, start_notes = {}, {}
     for name in problem.clusters:
         start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
-    result = fit_mod.fit(meas, fit_mod.FitConfig(steps=args.steps), not args.json, problem, start)
+    cfg = fit_mod.FitConfig(steps=args.steps)
+    result = fit_mod.fit(meas, cfg, not args.json, problem, start)
     written = []
     for name, path in paths.items():
         if name not in result.cluster_values:
@@ -234,11 +229,12 @@ def run(args) -> int:
         return 0
     for line in summary["skipped"]:
         console.print(f"skipped {line}")
+    families = {_family(c) for c in args.cluster}
     others = _found(
         Measurements(
             e2e=[r for r in everything.e2e if r.cluster.name not in args.cluster],
             collectives=[r for r in everything.collectives if r.cluster not in args.cluster],
-            gemms=[g for g in everything.gemms if g not in meas.gemms],
+            gemms=[g for g in everything.gemms if g.gpu not in families],
         )
     )
     if others != "no usable rows":
@@ -255,8 +251,8 @@ def run(args) -> int:
         if name in start_notes:
             console.print(f"{name} started from: {start_notes[name]} (the 'before' column)")
     stop = (
-        f"converged after {result.steps} steps (loss changed < {fit_mod.FitConfig.tol:g} over "
-        f"{fit_mod.FitConfig.patience} steps)"
+        f"converged after {result.steps} steps (loss changed < {cfg.tol:g} over "
+        f"{cfg.patience} steps)"
         if result.converged
         else f"stopped at the step limit, {result.steps} steps (not converged: raise --steps)"
     )

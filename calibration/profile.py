@@ -79,7 +79,7 @@ class ProfileError(ValueError):
 class ProfileMismatch(ProfileError):
     """A profile file was fitted on another GPU family than the cluster's."""
 
-    def __init__(self, path, reason: str, advice: str):
+    def __init__(self, reason: str, advice: str):
         self.reason = reason  # "P was fitted on K (a100 GPUs) but C has ... GPUs (h100)"
         super().__init__(f"{reason}: {advice}")
 
@@ -234,7 +234,6 @@ def _explicit(cluster: ClusterSpec, family: str, path: Path, params: Params):
     key = doc.get("key", "?")
     if fitted is not None and fitted != family:
         raise ProfileMismatch(
-            path,
             f"{path} was fitted on {key} ({fitted} GPUs) but {cluster.name} has "
             f"{cluster.gpu.name} GPUs ({family})",
             f"give a profile fitted on a cluster with {family} GPUs, or --profile none for "
