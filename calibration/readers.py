@@ -255,9 +255,9 @@ def gpu_family(name: str) -> str:
     Unknown names give their text before any parenthesis, lower-cased, non-alphanumerics as
     ``-``.
     """
-    m = _GPU_RE.search(name)
-    if m:
-        return m.group(1).lower()
+    known = _known_family(name)
+    if known:
+        return known
     return re.sub(r"[^a-z0-9]+", "-", name.split("(")[0].lower()).strip("-")
 
 
