@@ -26,9 +26,10 @@ Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data`
 5. ``robustness``: 10% of one fold's training e2e rows have their measured time multiplied by
    3 (fixed seed); held-out MAPE of that fold's vTrain rows, clean vs corrupted.
 6. ``flat_directions``: eigen-decomposition of the Hessian of ``calibration.fit.make_loss`` at
-   the full fit's optimum with respect to the flattened scalar constants (the GEMM shape grid is
-   held at its fit; ``gemm_shape_grid`` gives, per GPU family and precision class, the nodes
-   some row depends on and the nodes the fit moved by 1% or more). The prior adds exactly the
+   the full fit's optimum with respect to the flattened scalar constants (the GEMM and layer
+   shape grids are held at their fit; ``gemm_shape_grid`` gives, per GPU family and precision
+   class, the nodes some row depends on and the nodes the fit moved by 1% or more, and
+   ``layer_shape_grid`` the same per GPU family). The prior adds exactly the
    diagonal ``calibration.fit.prior_curvature`` (``2 prior_weight / PRIOR_SD^2``); the data
    part ``H`` minus that diagonal is what the measurements pin down.
    Its eigenvalues below 1e-6 x the largest are flat; the constants dominating them are listed.
@@ -392,19 +393,22 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, cols, h: flo
     return 0.5 * (H + H.T), time.perf_counter() - t0
 
 
-def grid_coverage(problem: F.Problem, tables) -> dict:
-    """Per GPU family and precision class ("a100 high"; classes no row reads are left out):
-    GEMM shape-grid nodes some row's prediction depends on (touched), and
-    nodes the fit moved (factor off 1 by at least 1%). Every prediction falls as a node's
-    efficiency factor rises, so the gradient of their sum is nonzero exactly at touched nodes."""
+def grid_coverage(problem: F.Problem, tables, leaf: str = F.GRID_LEAF) -> dict:
+    """Per GPU family and precision class ("a100 high"; classes no row reads are left out) of
+    the GEMM shape grid, or per family ("a100 layer") of the layer shape grid (``leaf``):
+    nodes some row's prediction depends on (touched), and nodes the fit moved (factor off 1 by
+    at least 1%). Every prediction moves one way as a node's factor rises (faster GEMMs, a
+    slower layer), so the gradient of their sum is nonzero exactly at touched nodes."""
     dev, clu = tables
 
     def total(grid):
-        logs = F.predict_log({**dev, F.GRID_LEAF: grid}, clu, problem.data, 1e-3)
+        logs = F.predict_log({**dev, leaf: grid}, clu, problem.data, 1e-3)
         return sum(jnp.sum(v) for v in logs.values())
 
-    g = np.abs(np.asarray(jax.grad(total)(dev[F.GRID_LEAF])))
-    moved = np.abs(np.asarray(dev[F.GRID_LEAF])) >= np.log(1.01)
+    classes = GEMM_GRID_CLASSES if leaf == F.GRID_LEAF else ("layer",)
+    per_class = lambda x: np.asarray(x).reshape(x.shape[0], len(classes), -1)  # noqa: E731
+    g = np.abs(per_class(jax.grad(total)(dev[leaf])))
+    moved = np.abs(per_class(dev[leaf])) >= np.log(1.01)
     return {
         f"{fam} {cls}": {
             "nodes": int(g[i, c].size),
@@ -412,7 +416,7 @@ def grid_coverage(problem: F.Problem, tables) -> dict:
             "moved_1pct": int(moved[i, c].sum()),
         }
         for i, fam in enumerate(problem.families)
-        for c, cls in enumerate(GEMM_GRID_CLASSES)
+        for c, cls in enumerate(classes)
         if (g[i, c] > 0).any()
     }
 
@@ -874,9 +878,9 @@ def measure(args) -> dict:
     # ---- 6. identifiability -------------------------------------------------------------------
     t0 = time.perf_counter()
     all_names = parameter_names(P, tab_full)
-    # The GEMM shape grid (hundreds of nodes per GPU family) is held at its fit: its coverage
-    # is reported below instead of its Hessian, which would cost two gradients per node.
-    cols = np.flatnonzero([F.GRID_LEAF not in n for n in all_names])
+    # The GEMM and layer shape grids (hundreds of nodes per GPU family) are held at their fit:
+    # their coverage is reported below instead of their Hessian (two gradients per node).
+    cols = np.flatnonzero([F.GRID_LEAF not in n and F.LAYER_LEAF not in n for n in all_names])
     names = all_names[cols]
     if args.quick:
         H, t_hd = hessian_fd_step(weighted(P, w_all), tab_full, cfg, cols)
@@ -894,6 +898,7 @@ def measure(args) -> dict:
     }
     flat["compile_s"], flat["differences_s"] = t_hc, t_hd
     flat["gemm_shape_grid"] = grid_coverage(P, tab_full)
+    flat["layer_shape_grid"] = grid_coverage(P, tab_full, F.LAYER_LEAF)
     timings["hessian_s"] = time.perf_counter() - t0
     say(f"Hessian {len(H)}x{len(H)}: {flat['n_flat']} flat eigenvalues ({t_hc:.0f} s compile)")
 
@@ -1196,14 +1201,16 @@ def print_tables(r: dict) -> None:
         for dd in fd["directions"][:25]:
             comp = ", ".join(f"{p['component']:+.2f} {p['name']}" for p in dd["params"])
             print(f"    {dd['relative']:.1e}: {comp}")
-    grid = fd.get("gemm_shape_grid", {})
-    if grid:
-        print(
-            "  GEMM shape grid (held at its fit above; nodes some row depends on / moved >= 1%): "
-            + ", ".join(
-                f"{k} {v['touched']}/{v['moved_1pct']} of {v['nodes']}" for k, v in grid.items()
+    for key, what in (("gemm_shape_grid", "GEMM"), ("layer_shape_grid", "layer")):
+        grid = fd.get(key, {})
+        if grid:
+            print(
+                f"  {what} shape grid (held at its fit above; nodes some row depends on / "
+                "moved >= 1%): "
+                + ", ".join(
+                    f"{k} {v['touched']}/{v['moved_1pct']} of {v['nodes']}" for k, v in grid.items()
+                )
             )
-        )
     print("\n== targets ==")
     for k, v in r["targets"].items():
         ok = "ok" if v["ok"] else "MISSED"

@@ -100,17 +100,21 @@ def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, flo
     """The constants the fit moved most, as (name, before, after), largest move first.
 
     Moves are measured in the fit's own units (raw log / logit over the prior width), so a
-    fraction and a latency compare fairly. GEMM shape-grid nodes are summarised as one entry:
-    the number of nodes whose factor changed by more than 5%.
+    fraction and a latency compare fairly. The nodes of each shape grid (GEMM, layer) are
+    summarised as one entry: the number of nodes whose factor changed by more than 5%.
     """
     rows = []
+    grids = {prof.GRID_FIELD: "GEMM shape grid", prof.LAYER_FIELD: "layer shape grid"}
     for name, (_leaf, kind) in prof.FIELDS.items():
         if name not in before or name not in after:
             continue
-        if name == prof.GRID_FIELD:
-            changed = _grid_changes(before[name], after[name])
+        if name in grids:
+            b, a = before[name], after[name]
+            if name == prof.LAYER_FIELD:  # one grid, not one per precision class
+                b, a = {"": b}, {"": a}
+            changed = _grid_changes(b, a)
             if changed:
-                rows.append((np.inf, f"GEMM shape grid: {changed} nodes moved > 5%", 0.0, 0.0))
+                rows.append((np.inf, f"{grids[name]}: {changed} nodes moved > 5%", 0.0, 0.0))
             continue
         pairs = (
             [(f"{name}.{p}", before[name][p], after[name][p]) for p in fit_mod.FIT_PRECISIONS]

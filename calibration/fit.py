@@ -31,6 +31,7 @@ from calibration.profile import (
     DEVICE_FIELDS,
     FIELDS,
     GRID_FIELD,
+    LAYER_FIELD,
     gpu_family,
     to_values,
 )
@@ -60,7 +61,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
 # on Hopper, so its odds ratio stays near 1 where no data separates the two kernels.
 # The GEMM shape grid's nodes get 0.3 (a node 30% off the smooth curve is one width away): the
-# data move the nodes they touch and the rest stay at factor 1.
+# data move the nodes they touch and the rest stay at factor 1. The layer shape grid's nodes
+# get the same width. Narrower, 0.1, kept vTrain's per-shape offsets from being fitted (held-out
+# vTrain 4.0% against 2.4% at 0.3, H100 4.1% against 4.6%; benchmarks/calibration_cv.py, before
+# the grids' power-of-two fix).
 PRIOR_SD = {
     "gemm_eff": 1.0,
     "gemm_dim_half": 1.5,
@@ -82,6 +86,7 @@ PRIOR_SD = {
     "iteration_overhead_s": 1.0,
     "microbatch_overhead_s": 1.0,
     "gemm_shape_eff": 0.3,
+    "layer_shape_time": 0.3,
 }
 PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
 
@@ -259,6 +264,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
 
 
 GRID_LEAF = FIELDS[GRID_FIELD][0]  # the GEMM shape grid's raw leaf
+LAYER_LEAF = FIELDS[LAYER_FIELD][0]  # the layer shape grid's raw leaf
 
 
 def _shared_grid(dev_tab, clu_tab, d):

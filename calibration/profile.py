@@ -3,8 +3,9 @@
 Two layers:
 
 * **device** constants (kernel efficiencies, launch gap, the rate at which a reducing
-  collective passes over its buffer on the GPU): one set per GPU family, shared by
-  every cluster with that GPU (``calibration/profiles/device-<family>.yaml``);
+  collective passes over its buffer on the GPU, the GEMM and layer shape grids): one set per
+  GPU family, shared by every cluster with that GPU
+  (``calibration/profiles/device-<family>.yaml``);
 * **cluster** constants (link efficiencies and latencies, small-message curve, host dispatch,
   interference, optimizer traffic, per-iteration overhead): one set per cluster
   (``calibration/profiles/<cluster>.yaml``).
@@ -29,6 +30,8 @@ from diffcost.params import (
     GEMM_GRID,
     GEMM_GRID_CLASSES,
     GEMM_GRID_LOG2_LO,
+    LAYER_GRID,
+    LAYER_GRID_LOG2_LO,
     Params,
     default_params,
 )
@@ -58,6 +61,7 @@ FIELDS = {
     "iteration_overhead_s": ("iteration_overhead_log_s", "log"),
     "microbatch_overhead_s": ("microbatch_overhead_log_s", "log"),
     "gemm_shape_eff": ("gemm_shape_log_eff", "log"),
+    "layer_shape_time": ("layer_shape_log_time", "log"),
 }
 DEVICE_FIELDS = (
     "gemm_eff",
@@ -68,6 +72,7 @@ DEVICE_FIELDS = (
     "kernel_overhead_s",
     "reduce_Bps",
     "gemm_shape_eff",
+    "layer_shape_time",
 )
 CLUSTER_FIELDS = tuple(f for f in FIELDS if f not in DEVICE_FIELDS)
 
@@ -97,17 +102,43 @@ def _from_raw(kind: str, raw):
 
 # The GEMM shape grids are stored sparsely, per precision class: {"high" | "low": {"MxNxK"
 # (octave nodes): efficiency factor}}, only the nodes the fit moved; every other node keeps 1.
+# The layer shape grid likewise: {"TxWxP" (tokens, width, tp octave nodes): time factor}.
 GRID_FIELD = "gemm_shape_eff"
+LAYER_FIELD = "layer_shape_time"
 _GRID_DIMS = [2 ** (GEMM_GRID_LOG2_LO + i) for i in range(GEMM_GRID)]
+_LAYER_DIMS = [[2 ** (lo + i) for i in range(n)] for lo, n in zip(LAYER_GRID_LOG2_LO, LAYER_GRID)]
 _GRID_KEEP = 1e-4  # |log factor| below this is written as 1 (left out)
+
+
+def _nodes(factors: np.ndarray, dims) -> dict:
+    """{"AxBxC": factor} of the nodes of a 3-D grid of ``factors`` whose factor is not 1."""
+    return {
+        "x".join(str(d[i]) for d, i in zip(dims, idx)): round(float(factors[idx]), 5)
+        for idx in zip(*np.nonzero(np.abs(np.log(factors)) >= _GRID_KEEP))
+    }
+
+
+def _nodes_raw(nodes, dims, key: str, where: str, what: str) -> np.ndarray:
+    """Log factors of a 3-D grid from its {"AxBxC": factor} nodes; every other node 0. ``key``
+    ("MxNxK") and ``what`` ("GEMM shapes") name the nodes in messages."""
+    if not isinstance(nodes, dict):
+        raise ProfileError(f"{where} must map '{key}' {what} to factors")
+    raw = np.zeros([len(d) for d in dims])
+    for node, factor in nodes.items():
+        parts = str(node).split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) in d for p, d in zip(parts, dims)):
+            allowed = (f"{a} one of {', '.join(map(str, d))}" for a, d in zip(key.split("x"), dims))
+            raise ProfileError(f"{where}.{node}: expected '{key}' with {'; '.join(allowed)}")
+        if not isinstance(factor, int | float) or not np.isfinite(factor) or factor <= 0:
+            raise ProfileError(f"{where}.{node}={factor!r}: the factor must be a number above 0")
+        raw[tuple(d.index(int(p)) for p, d in zip(parts, dims))] = np.log(factor)
+    return raw
 
 
 def _grid_nodes(factors: np.ndarray) -> dict:
     out = {}
     for c, name in enumerate(GEMM_GRID_CLASSES):
-        nodes = {}
-        for idx in zip(*np.nonzero(np.abs(np.log(factors[c])) >= _GRID_KEEP)):
-            nodes["x".join(str(_GRID_DIMS[i]) for i in idx)] = round(float(factors[c][idx]), 5)
+        nodes = _nodes(factors[c], [_GRID_DIMS] * 3)
         if nodes:
             out[name] = nodes
     return out
@@ -121,21 +152,8 @@ def _grid_raw(value, where: str) -> np.ndarray:
     for name, nodes in value.items():
         if name not in GEMM_GRID_CLASSES:
             raise ProfileError(f"{where}.{name}: unknown precision class (known: {classes})")
-        if not isinstance(nodes, dict):
-            raise ProfileError(f"{where}.{name} must map 'MxNxK' GEMM shapes to factors")
         c = GEMM_GRID_CLASSES.index(name)
-        for key, factor in nodes.items():
-            parts = str(key).split("x")
-            if len(parts) != 3 or not all(p.isdigit() and int(p) in _GRID_DIMS for p in parts):
-                raise ProfileError(
-                    f"{where}.{name}.{key}: expected 'MxNxK' with each of M, N, K one of "
-                    f"{', '.join(map(str, _GRID_DIMS))}"
-                )
-            if not isinstance(factor, int | float) or not np.isfinite(factor) or factor <= 0:
-                raise ProfileError(
-                    f"{where}.{name}.{key}={factor!r}: the factor must be a number above 0"
-                )
-            raw[(c,) + tuple(_GRID_DIMS.index(int(p)) for p in parts)] = np.log(factor)
+        raw[c] = _nodes_raw(nodes, [_GRID_DIMS] * 3, "MxNxK", f"{where}.{name}", "GEMM shapes")
     return raw
 
 
@@ -149,6 +167,8 @@ def to_values(params: Params, fields=tuple(FIELDS)) -> dict:
             out[name] = {p: float(x) for p, x in zip(PRECISIONS, v)}
         elif name == GRID_FIELD:
             out[name] = _grid_nodes(v)
+        elif name == LAYER_FIELD:
+            out[name] = _nodes(v, _LAYER_DIMS)
         else:
             out[name] = float(v)
     return out
@@ -172,6 +192,8 @@ def apply_values(params: Params, values: dict, where: str = "profile") -> Params
             raw = current
         elif name == GRID_FIELD:
             raw = _grid_raw(value, f"{where}: {name}")
+        elif name == LAYER_FIELD:
+            raw = _nodes_raw(value, _LAYER_DIMS, "TxWxP", f"{where}: {name}", "layer shapes")
         else:
             raw = _to_raw(kind, value)
         if not np.all(np.isfinite(raw)):

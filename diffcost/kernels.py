@@ -7,7 +7,8 @@ factor read from a grid with one node per octave of m, n and k (``shape_log_eff`
 precision class (16 and 32 bits; FP8 and FP4). The grid is 1 everywhere until calibration moves
 it: real libraries pick a kernel per shape and operand type, so measured efficiency is jagged in
 shape where the smooth curve is not (a GEMM table, or runs whose layers share a shape, pin the
-nodes they touch).
+nodes they touch). ``layer_log_time`` reads the same kind of grid for a whole transformer layer
+(``Params.layer_shape_log_time``).
 
 References:
     Williams, Waterman & Patterson, "Roofline" (CACM 2009); NVIDIA's GEMM performance guide
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from diffcost import smooth
 from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays
-from diffcost.params import GEMM_GRID_CLASSES, GEMM_GRID_LOG2_LO, Params
+from diffcost.params import GEMM_GRID_CLASSES, GEMM_GRID_LOG2_LO, LAYER_GRID_LOG2_LO, Params
 from diffcost.specs import PRECISIONS
 
 _BF16, _FP16 = PRECISIONS.index("bf16"), PRECISIONS.index("fp16")
@@ -48,8 +49,8 @@ def half_peak_flops(model: ModelArrays, cluster: ClusterArrays, params: Params):
     return w_bf16 * bf16 + w_fp16 * fp16 + (1.0 - w_bf16 - w_fp16) * beside
 
 
-def _grid_coord(d, size):
-    """Cell index and fraction of ``d`` on ``size`` octave nodes (clamped).
+def _grid_coord(d, size, log2_lo=GEMM_GRID_LOG2_LO):
+    """Cell index and fraction of ``d`` on ``size`` octave nodes from ``2 ** log2_lo`` (clamped).
 
     ``log2`` of a power of two is snapped to the integer. Compiled, it came out one ulp low
     (2.9999998 for 8), and the compiled interpolation then read other values than the eager
@@ -57,22 +58,24 @@ def _grid_coord(d, size):
     """
     x = jnp.log2(jnp.maximum(d, 1.0))
     x = jnp.where(jnp.abs(x - jnp.round(x)) < 1e-4, jnp.round(x), x)
-    x = jnp.clip(x - GEMM_GRID_LOG2_LO, 0.0, size - 1.0)
+    x = jnp.clip(x - log2_lo, 0.0, size - 1.0)
     i = jnp.clip(jnp.floor(x), 0.0, size - 2.0)
     return i.astype(jnp.int32), x - i
 
 
 def _corners(size, cm, cn, ck, row=None):
-    """Flat indices and weights ``[..., 8]`` of the 8 grid corners around each shape."""
+    """Flat indices and weights ``[..., 8]`` of the 8 grid corners around each shape; ``size``
+    is the grid's side (a cube) or its three sides."""
+    s0, s1, s2 = (size,) * 3 if isinstance(size, int) else size
     (i, a), (j, b), (q, c) = cm, cn, ck
-    base = (i * size + j) * size + q
+    base = (i * s1 + j) * s2 + q
     if row is not None:
-        base = base + row.astype(base.dtype) * size**3
+        base = base + row.astype(base.dtype) * (s0 * s1 * s2)
     corners, weights = [], []
     for di, wi in ((0, 1.0 - a), (1, a)):
         for dj, wj in ((0, 1.0 - b), (1, b)):
             for dl, wl in ((0, 1.0 - c), (1, c)):
-                corners.append(base + (di * size + dj) * size + dl)
+                corners.append(base + (di * s1 + dj) * s2 + dl)
                 weights.append(wi * wj * wl)
     return jnp.stack(corners, axis=-1), jnp.stack(weights, axis=-1)
 
@@ -139,6 +142,18 @@ def layer_and_head_log_effs(table, low, m, n, k, head, base=None):
         row=base + rows,
     )
     return tuple(jnp.append(e[:count] + low * (e[count + 1 :] - e[:count]), e[count]) for e in effs)
+
+
+def layer_log_time(table, tokens, width, tp):
+    """Trilinear interpolation of the layer shape grid ``table`` (``Params.layer_shape_log_time``:
+    log time factors on octave nodes of tokens per microbatch, width per GPU and tp; clamped at
+    the edges) at one layer shape."""
+    coords = [
+        _grid_coord(jnp.asarray(v, dtype=table.dtype), size, lo)
+        for v, size, lo in zip((tokens, width, tp), table.shape, LAYER_GRID_LOG2_LO)
+    ]
+    idx, w = _corners(table.shape, *coords)
+    return jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
 
 
 def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):

@@ -21,6 +21,15 @@ GEMM_GRID = 8
 # for FP8/FP4 operands, so a shape that is slow in one need not be in the other. "high" holds
 # fp32, bf16 and fp16 GEMMs, "low" FP8 and FP4 ones (``workload.low_precision``).
 GEMM_GRID_CLASSES = ("high", "low")
+# The layer shape grid: a time factor of one transformer layer (all its kernels, communication
+# and host dispatch) over the layer's shape on one GPU, with one node per octave of the tokens
+# of a microbatch (512 to 65536), of the width hidden / tp (128 to 16384) and of tp (1 to 8);
+# shapes outside are clamped to the edge nodes. Measured layer times are jagged in that shape
+# where no work-based term is (host dispatch, kernel and NCCL algorithm choices all change
+# with it): profiling simulators such as vTrain time every layer shape on the GPU, and this
+# grid is the calibrated counterpart. It is 1 everywhere until runs of a shape move its nodes.
+LAYER_GRID = (8, 8, 4)
+LAYER_GRID_LOG2_LO = (9, 7, 0)
 
 
 def _logit(p):
@@ -35,7 +44,8 @@ class Params:
     Efficiencies are fractions of a datasheet peak; latencies and overheads are seconds.
     ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order;
     ``gemm_shape_log_eff`` holds, per class of ``GEMM_GRID_CLASSES``, a ``GEMM_GRID``-cubed grid
-    over (m, n, k) octaves (all 0: factor 1).
+    over (m, n, k) octaves (all 0: factor 1); ``layer_shape_log_time`` a ``LAYER_GRID`` grid of
+    log time factors over a layer's (tokens, width, tp) octaves (all 0: factor 1).
     """
 
     gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
@@ -58,6 +68,7 @@ class Params:
     iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
     microbatch_overhead_log_s: jax.Array  # host time per microbatch on every stage (schedule)
     gemm_shape_log_eff: jax.Array  # [C, G, G, G] log efficiency per precision class and octave node
+    layer_shape_log_time: jax.Array  # [T, W, P] log time factor of a layer per octave node
 
     @property
     def gemm_eff(self):
@@ -201,4 +212,5 @@ def default_params(dtype=None) -> Params:
         iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),
         microbatch_overhead_log_s=f(jnp.log(d["microbatch_overhead_s"])),
         gemm_shape_log_eff=jnp.zeros((len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3, dtype=dtype),
+        layer_shape_log_time=jnp.zeros(LAYER_GRID, dtype=dtype),
     )

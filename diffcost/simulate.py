@@ -290,8 +290,13 @@ def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTi
     def with_host(stream, host_s):
         return stream + host_s - hidden * smooth.smin2(stream, host_s, tau)
 
-    lay_fwd = with_host(stream_fwd, host)
-    lay_bwd = with_host(stream_bwd, 2.0 * host)
+    # The calibrated factor of the layer's shape on one GPU (1 until calibration moves it)
+    # scales the whole layer, its communication included.
+    shape_f = jnp.exp(
+        kernels.layer_log_time(params.layer_shape_log_time, t, model.hidden / plan.tp, plan.tp)
+    )
+    lay_fwd = with_host(stream_fwd, host) * shape_f
+    lay_bwd = with_host(stream_bwd, 2.0 * host) * shape_f
     # recompute extra per mode: none, selective (attention core), full (whole forward)
     full = plan.recompute[2]
     rec = plan.recompute[1] * attn_fwd + full * lay_fwd
@@ -309,6 +314,9 @@ def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTi
     zero_fwd = z3 * (_overlap(lay_fwd, ag_s, kappa, tau) - lay_fwd)
     zero_bwd = z3 * (_overlap(bwd_core, ag_s + rs_s, kappa, tau) - bwd_core)
 
+    tp_fwd, tp_bwd, cp_fwd, cp_bwd, ep_x = (
+        shape_f * x for x in (tp_fwd, tp_bwd, cp_fwd, cp_bwd, ep_x)
+    )
     comm_fwd = tp_fwd + cp_fwd + ep_x
     comm_bwd = tp_bwd + cp_bwd + ep_x
     layer_parts_fwd = jnp.stack([lay_fwd - comm_fwd, tp_fwd, cp_fwd, ep_x, zero_fwd])

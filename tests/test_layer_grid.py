@@ -1,0 +1,115 @@
+"""The layer shape grid: interpolation, what it scales in a prediction, profiles, summaries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from calibration import profile as prof
+from calibration.command import moved as calibrate_moved
+from diffcost import kernels
+from diffcost.params import LAYER_GRID, LAYER_GRID_LOG2_LO, default_params
+from diffcost.simulate import simulate, stage_times
+from diffcost.specs import PlanSpec
+from tests.helpers import GPT, arrays
+
+NODES = [[2 ** (lo + i) for i in range(n)] for lo, n in zip(LAYER_GRID_LOG2_LO, LAYER_GRID)]
+
+
+def _grid_with(node, value):
+    return jnp.zeros(LAYER_GRID).at[node].set(value)
+
+
+def _node_of(tokens, width, tp):
+    return tuple(NODES[d].index(v) for d, v in enumerate((tokens, width, tp)))
+
+
+def test_layer_grid_interpolates_between_octave_nodes_and_clamps():
+    grid = _grid_with((2, 3, 1), 0.4)
+    t, w, tp = NODES[0][2], NODES[1][3], NODES[2][1]
+    at = lambda *s: float(kernels.layer_log_time(grid, *s))  # noqa: E731
+    assert at(t, w, tp) == pytest.approx(0.4)
+    # halfway (in log2) to the next node along tp, and along all three
+    assert at(t, w, tp * 2**0.5) == pytest.approx(0.2, abs=1e-6)
+    assert at(t * 2**0.5, w * 2**0.5, tp * 2**0.5) == pytest.approx(0.05, abs=1e-6)
+    assert at(t, w, tp * 2) == pytest.approx(0.0, abs=1e-9)
+    # shapes past the edge nodes read the edge: tp 64 reads tp 8, 100 tokens the first node
+    edge = _grid_with((0, 3, LAYER_GRID[2] - 1), -0.3)
+    assert float(kernels.layer_log_time(edge, 100.0, w, 64.0)) == pytest.approx(-0.3)
+
+
+def test_layer_grid_scales_every_part_of_the_layer_and_nothing_else():
+    """A node at the layer's shape set to 1.5x: every per-layer part (compute, exposed TP
+    communication) grows 1.5x, the embedding, LM head, pipeline sends and optimizer do not;
+    the default grid changes nothing."""
+    plan = PlanSpec(tp=4, microbatch=2, global_batch=16, recompute="full")
+    model, plan_a, cluster = arrays(GPT, plan)
+    p0 = default_params(jnp.float64)
+    node = _node_of(plan.microbatch * GPT.seq_len, GPT.hidden // plan.tp, plan.tp)
+    slow = p0.replace(layer_shape_log_time=_grid_with(node, np.log(1.5)))
+    base, moved = (stage_times(model, plan_a, cluster, p, 1e-3) for p in (p0, slow))
+    layers = GPT.n_layers
+    per_layer = lambda st: np.asarray(st.parts[1]) / layers  # noqa: E731  (a middle stage)
+    np.testing.assert_allclose(per_layer(moved)[:4], 1.5 * per_layer(base)[:4], rtol=1e-9)
+    assert per_layer(base)[1] > 0  # the TP communication part is there to scale
+    # the first stage's extras (embedding, LM head with pp = 1) are outside the layers
+    extras = lambda st: np.asarray(st.parts[0, 0] - st.parts[1, 0])  # noqa: E731
+    np.testing.assert_allclose(extras(moved), extras(base), rtol=1e-9)
+    assert float(moved.optimizer_s) == float(base.optimizer_s)
+    assert float(moved.p2p_s) == float(base.p2p_s)
+    # zero everywhere is no factor at all; a node of another tp is not read
+    other = p0.replace(layer_shape_log_time=_grid_with(node[:2] + (0,), np.log(1.5)))
+    t0, t1 = (float(simulate(model, plan_a, cluster, p, 1e-3).iteration_s) for p in (p0, other))
+    assert t1 == t0
+
+
+def test_layer_grid_gradients_are_finite_and_reach_the_node_read():
+    plan = PlanSpec(tp=2, microbatch=1, global_batch=8)
+    model, plan_a, cluster = arrays(GPT, plan)
+    p0 = default_params(jnp.float64)
+    g = jax.grad(
+        lambda table: (
+            simulate(
+                model, plan_a, cluster, p0.replace(layer_shape_log_time=table), 1e-3
+            ).iteration_s
+        )
+    )(p0.layer_shape_log_time)
+    g = np.asarray(g)
+    assert np.all(np.isfinite(g))
+    node = _node_of(plan.microbatch * GPT.seq_len, GPT.hidden // plan.tp, plan.tp)
+    assert g[node] > 0 and np.count_nonzero(g) == 1  # an exact node shape reads one node
+
+
+def test_layer_grid_profile_round_trip_and_errors(tmp_path):
+    p0 = default_params()
+    moved = p0.replace(layer_shape_log_time=_grid_with((1, 2, 3), np.log(1.2)))
+    values = prof.to_values(moved, ("layer_shape_time",))
+    assert values == {"layer_shape_time": {"1024x512x8": pytest.approx(1.2)}}
+    back = prof.apply_values(p0, values)
+    np.testing.assert_allclose(back.layer_shape_log_time, moved.layer_shape_log_time, atol=1e-6)
+    bad = tmp_path / "bad.yaml"
+    for text, error in [
+        ("{'1024x500x8': 1.1}", r"layer_shape_time\.1024x500x8: expected 'TxWxP' with .*W one of"),
+        ("{'1024x512x16': 1.1}", r"P one of 1, 2, 4, 8"),
+        ("{'1024x512x8': -1}", "must be a number above 0"),
+        ("[1.1]", r"layer_shape_time must map 'TxWxP' layer shapes to factors"),
+    ]:
+        bad.write_text(f"constants: {{layer_shape_time: {text}}}\n")
+        with pytest.raises(prof.ProfileError, match=error):
+            prof.apply_values(p0, prof._read(bad)["constants"], str(bad))
+
+
+def test_moved_summarises_the_layer_grid():
+    before = prof.to_values(default_params())
+    after = dict(before, layer_shape_time={"1024x512x8": 1.2, "2048x512x8": 1.01})
+    assert calibrate_moved(before, after) == [("layer shape grid: 1 nodes moved > 5%", 0.0, 0.0)]
+
+
+def test_layer_grid_reads_the_same_nodes_compiled_as_eager():
+    """As the GEMM grid (``tests/test_calibration.py``): shapes on the nodes read their node
+    under jit too."""
+    layer = jnp.asarray(np.random.default_rng(0).standard_normal(LAYER_GRID))
+    t, w, tp = jnp.array([2048.0, 4096, 3000]), jnp.array([256.0, 512, 300]), jnp.array([8.0, 2, 3])
+    read = jax.vmap(kernels.layer_log_time, in_axes=(None, 0, 0, 0))
+    np.testing.assert_allclose(jax.jit(read)(layer, t, w, tp), read(layer, t, w, tp), atol=1e-5)
+    assert float(read(layer, t, w, tp)[0]) == pytest.approx(float(layer[2, 1, 3]))
