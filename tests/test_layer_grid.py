@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import GPT, arrays
 
 from calibration import profile as prof
 from calibration.command import moved as calibrate_moved
@@ -11,7 +12,6 @@ from diffcost import kernels
 from diffcost.params import LAYER_GRID, LAYER_GRID_LOG2_LO, default_params
 from diffcost.simulate import simulate, stage_times
 from diffcost.specs import PlanSpec
-from tests.helpers import GPT, arrays
 
 NODES = [[2 ** (lo + i) for i in range(n)] for lo, n in zip(LAYER_GRID_LOG2_LO, LAYER_GRID)]
 
