@@ -96,6 +96,17 @@ def output_paths(clusters: list[str], out: str | None) -> dict[str, Path]:
     return paths
 
 
+# The shape grids, summarised in ``moved`` as one row each (a node count, no before/after).
+GRID_LABELS = {prof.GRID_FIELD: "GEMM shape grid", prof.LAYER_FIELD: "layer shape grid"}
+
+
+def moved_cells(label: str, before: float, after: float) -> tuple[str, str]:
+    """The before and after cells of a ``moved`` row: blank for a shape grid's summary row."""
+    if label.split(":")[0] in GRID_LABELS.values():
+        return "", ""
+    return f"{before:.4g}", f"{after:.4g}"
+
+
 def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, float]]:
     """The constants the fit moved most, as (name, before, after), largest move first.
 
@@ -104,17 +115,16 @@ def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, flo
     summarised as one entry: the number of nodes whose factor changed by more than 5%.
     """
     rows = []
-    grids = {prof.GRID_FIELD: "GEMM shape grid", prof.LAYER_FIELD: "layer shape grid"}
     for name, (_leaf, kind) in prof.FIELDS.items():
         if name not in before or name not in after:
             continue
-        if name in grids:
+        if name in GRID_LABELS:
             b, a = before[name], after[name]
             if name == prof.LAYER_FIELD:  # one grid, not one per precision class
                 b, a = {"": b}, {"": a}
             changed = _grid_changes(b, a)
             if changed:
-                rows.append((np.inf, f"{grids[name]}: {changed} nodes moved > 5%", 0.0, 0.0))
+                rows.append((np.inf, f"{GRID_LABELS[name]}: {changed} nodes moved > 5%", 0.0, 0.0))
             continue
         pairs = (
             [(f"{name}.{p}", before[name][p], after[name][p]) for p in fit_mod.FIT_PRECISIONS]
@@ -269,7 +279,7 @@ def run(args) -> int:
         for col in ("constant", "before", "after"):
             m.add_column(col, justify="left" if col == "constant" else "right")
         for label, b, a in rows_moved:
-            m.add_row(label, *(("", "") if label.startswith("GEMM") else (f"{b:.4g}", f"{a:.4g}")))
+            m.add_row(label, *moved_cells(label, b, a))
         console.print(m)
     for p in written:
         console.print(f"wrote {p} (use it with --profile {p})")

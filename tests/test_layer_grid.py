@@ -8,6 +8,7 @@ from helpers import GPT, arrays
 
 from calibration import profile as prof
 from calibration.command import moved as calibrate_moved
+from calibration.command import moved_cells
 from diffcost import kernels
 from diffcost.params import LAYER_GRID, LAYER_GRID_LOG2_LO, default_params
 from diffcost.simulate import simulate, stage_times
@@ -102,7 +103,12 @@ def test_layer_grid_profile_round_trip_and_errors(tmp_path):
 def test_moved_summarises_the_layer_grid():
     before = prof.to_values(default_params())
     after = dict(before, layer_shape_time={"1024x512x8": 1.2, "2048x512x8": 1.01})
-    assert calibrate_moved(before, after) == [("layer shape grid: 1 nodes moved > 5%", 0.0, 0.0)]
+    rows = calibrate_moved(before, after)
+    assert rows == [("layer shape grid: 1 nodes moved > 5%", 0.0, 0.0)]
+    # the printed table leaves a grid's before/after blank, as for the GEMM grid
+    assert moved_cells(*rows[0]) == ("", "")
+    assert moved_cells("GEMM shape grid: 3 nodes moved > 5%", 0.0, 0.0) == ("", "")
+    assert moved_cells("nic_eff", 0.85, 0.5) == ("0.85", "0.5")
 
 
 def test_layer_grid_reads_the_same_nodes_compiled_as_eager():
