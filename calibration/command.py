@@ -23,7 +23,7 @@ import numpy as np
 
 from calibration import fit as fit_mod
 from calibration import profile as prof
-from calibration.readers import Measurements, load
+from calibration.readers import Measurements, cluster_family, load
 from diffcost.config import load_cluster
 
 
@@ -34,10 +34,6 @@ def select(meas: Measurements, clusters: list[str]) -> Measurements:
 
 def _mape(resid: np.ndarray) -> float:
     return float(np.mean(np.abs(np.expm1(resid))) * 100) if resid.size else float("nan")
-
-
-def _family(cluster: str) -> str:
-    return prof.gpu_family(load_cluster(cluster).gpu.name)
 
 
 def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> list[Path]:
@@ -58,7 +54,7 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
                 prof.write_profile(
                     prof.cluster_path(name),
                     result.cluster_values[name],
-                    {"layer": "cluster", "key": name, "gpu_family": _family(name), **meta},
+                    {"layer": "cluster", "key": name, "gpu_family": cluster_family(name), **meta},
                 )
             )
     return written
@@ -66,7 +62,8 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
 
 def fitted_values(result: fit_mod.FitResult, cluster: str) -> dict:
     """Device and cluster constants of ``cluster`` after the fit, in profile form."""
-    return {**result.device_values.get(_family(cluster), {}), **result.cluster_values[cluster]}
+    device = result.device_values.get(cluster_family(cluster), {})
+    return {**device, **result.cluster_values[cluster]}
 
 
 def output_paths(clusters: list[str], out: str | None) -> dict[str, Path]:
@@ -200,7 +197,7 @@ def run(args) -> int:
         meta = {
             "layer": "cluster+device",
             "key": name,
-            "gpu_family": _family(name),
+            "gpu_family": cluster_family(name),
             "fitted_on": [str(p) for p in args.data],
             "started_from": start_notes[name],
             "command": "diffcost calibrate",
@@ -243,7 +240,7 @@ def run(args) -> int:
         return 0
     for line in summary["skipped"]:
         console.print(f"skipped {line}")
-    families = {_family(c) for c in args.cluster}
+    families = {cluster_family(c) for c in args.cluster}
     others = _found(
         Measurements(
             e2e=[r for r in everything.e2e if r.cluster.name not in args.cluster],

@@ -35,7 +35,7 @@ from calibration.profile import (
     gpu_family,
     to_values,
 )
-from calibration.readers import FAMILY_CLUSTER, Measurements
+from calibration.readers import FAMILY_CLUSTER, Measurements, cluster_family
 from diffcost import comm, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
@@ -319,7 +319,7 @@ def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None
         same = [
             start[name]
             for name in problem.clusters
-            if name in start and gpu_family(load_cluster(name).gpu.name) == fam
+            if name in start and cluster_family(name) == fam
         ]
         by_family.append(same[0] if same else p0)
 
@@ -455,7 +455,7 @@ def _fit(meas, cfg, progress, problem, start) -> FitResult:
         pr = p0.replace(**{leaf: dev[leaf][i] for leaf in DEVICE_LEAVES})
         device_values[fam] = to_values(pr, DEVICE_FIELDS)
     for j, name in enumerate(problem.clusters):
-        fam = gpu_family(load_cluster(name).gpu.name)
+        fam = cluster_family(name)
         i = problem.families.index(fam) if fam in problem.families else 0
         pr = assemble(dev, clu, i, j)
         by_cluster[name] = pr

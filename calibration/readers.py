@@ -290,6 +290,13 @@ def family_peak_flops(family: str, precision: str) -> float | None:
 _PRESET_GPU: dict[str, str | None] = {}
 
 
+def cluster_family(cluster: str) -> str:
+    """GPU family key of a cluster preset (an unknown preset raises ``ConfigError``)."""
+    from diffcost.config import load_cluster
+
+    return gpu_family(load_cluster(cluster).gpu.name)
+
+
 def _preset_gpu(cluster: str) -> str | None:
     """GPU name of a cluster preset (None when the preset cannot be loaded)."""
     if cluster not in _PRESET_GPU:
