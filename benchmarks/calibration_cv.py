@@ -395,27 +395,38 @@ def hessian_fd_step(problem_w: F.Problem, tables, cfg: F.FitConfig, cols, h: flo
 
 def grid_coverage(problem: F.Problem, tables, leaf: str = F.GRID_LEAF) -> dict:
     """Per GPU family and precision class ("a100 high"; classes no row reads are left out) of
-    the GEMM shape grid, or per family ("a100 layer") of the layer shape grid (``leaf``):
-    nodes some row's prediction depends on (touched), and nodes the fit moved (factor off 1 by
-    at least 1%). Every prediction moves one way as a node's factor rises (faster GEMMs, a
-    slower layer), so the gradient of their sum is nonzero exactly at touched nodes."""
+    the GEMM shape grid, per family ("a100 layer") of the layer shape grid, or per cluster
+    ("vtrain-a100 cluster layer", "vtrain-a100 head") of the cluster layer and LM head shape
+    grids (``leaf``): nodes some row's prediction depends on (touched), and nodes the fit moved
+    (factor off 1 by at least 1%). Every prediction moves one way as a node's factor rises
+    (faster GEMMs, a slower layer), so the gradient of their sum is nonzero exactly at touched
+    nodes."""
     dev, clu = tables
+    on_device = leaf in dev
 
     def total(grid):
-        logs = F.predict_log({**dev, leaf: grid}, clu, problem.data, 1e-3)
+        d, c = ({**dev, leaf: grid}, clu) if on_device else (dev, {**clu, leaf: grid})
+        logs = F.predict_log(d, c, problem.data, 1e-3)
         return sum(jnp.sum(v) for v in logs.values())
 
-    classes = GEMM_GRID_CLASSES if leaf == F.GRID_LEAF else ("layer",)
+    classes = {
+        F.GRID_LEAF: GEMM_GRID_CLASSES,
+        F.LAYER_LEAF: ("layer",),
+        F.CLUSTER_LAYER_LEAF: ("cluster layer",),
+        F.HEAD_LEAF: ("head",),
+    }[leaf]
+    table = (dev if on_device else clu)[leaf]
+    owners = problem.families if on_device else problem.clusters
     per_class = lambda x: np.asarray(x).reshape(x.shape[0], len(classes), -1)  # noqa: E731
-    g = np.abs(per_class(jax.grad(total)(dev[leaf])))
-    moved = np.abs(per_class(dev[leaf])) >= np.log(1.01)
+    g = np.abs(per_class(jax.grad(total)(table)))
+    moved = np.abs(per_class(table)) >= np.log(1.01)
     return {
-        f"{fam} {cls}": {
+        f"{owner} {cls}": {
             "nodes": int(g[i, c].size),
             "touched": int((g[i, c] > 0).sum()),
             "moved_1pct": int(moved[i, c].sum()),
         }
-        for i, fam in enumerate(problem.families)
+        for i, owner in enumerate(owners)
         for c, cls in enumerate(classes)
         if (g[i, c] > 0).any()
     }
@@ -880,7 +891,8 @@ def measure(args) -> dict:
     all_names = parameter_names(P, tab_full)
     # The GEMM and layer shape grids (hundreds of nodes per GPU family) are held at their fit:
     # their coverage is reported below instead of their Hessian (two gradients per node).
-    cols = np.flatnonzero([F.GRID_LEAF not in n and F.LAYER_LEAF not in n for n in all_names])
+    grids = (F.GRID_LEAF, F.LAYER_LEAF, F.CLUSTER_LAYER_LEAF, F.HEAD_LEAF)
+    cols = np.flatnonzero([not any(g in n for g in grids) for n in all_names])
     names = all_names[cols]
     if args.quick:
         H, t_hd = hessian_fd_step(weighted(P, w_all), tab_full, cfg, cols)
@@ -899,6 +911,8 @@ def measure(args) -> dict:
     flat["compile_s"], flat["differences_s"] = t_hc, t_hd
     flat["gemm_shape_grid"] = grid_coverage(P, tab_full)
     flat["layer_shape_grid"] = grid_coverage(P, tab_full, F.LAYER_LEAF)
+    flat["cluster_layer_grid"] = grid_coverage(P, tab_full, F.CLUSTER_LAYER_LEAF)
+    flat["head_shape_grid"] = grid_coverage(P, tab_full, F.HEAD_LEAF)
     timings["hessian_s"] = time.perf_counter() - t0
     say(f"Hessian {len(H)}x{len(H)}: {flat['n_flat']} flat eigenvalues ({t_hc:.0f} s compile)")
 
@@ -1201,7 +1215,12 @@ def print_tables(r: dict) -> None:
         for dd in fd["directions"][:25]:
             comp = ", ".join(f"{p['component']:+.2f} {p['name']}" for p in dd["params"])
             print(f"    {dd['relative']:.1e}: {comp}")
-    for key, what in (("gemm_shape_grid", "GEMM"), ("layer_shape_grid", "layer")):
+    for key, what in (
+        ("gemm_shape_grid", "GEMM"),
+        ("layer_shape_grid", "layer"),
+        ("cluster_layer_grid", "cluster layer"),
+        ("head_shape_grid", "LM head"),
+    ):
         grid = fd.get(key, {})
         if grid:
             print(

@@ -94,7 +94,12 @@ def output_paths(clusters: list[str], out: str | None) -> dict[str, Path]:
 
 
 # The shape grids, summarised in ``moved`` as one row each (a node count, no before/after).
-GRID_LABELS = {prof.GRID_FIELD: "GEMM shape grid", prof.LAYER_FIELD: "layer shape grid"}
+GRID_LABELS = {
+    prof.GRID_FIELD: "GEMM shape grid",
+    prof.LAYER_FIELD: "layer shape grid",
+    prof.CLUSTER_LAYER_FIELD: "cluster layer shape grid",
+    prof.HEAD_FIELD: "LM head shape grid",
+}
 
 
 def moved_cells(label: str, before: float, after: float) -> tuple[str, str]:
@@ -108,7 +113,7 @@ def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, flo
     """The constants the fit moved most, as (name, before, after), largest move first.
 
     Moves are measured in the fit's own units (raw log / logit over the prior width), so a
-    fraction and a latency compare fairly. The nodes of each shape grid (GEMM, layer) are
+    fraction and a latency compare fairly. The nodes of each shape grid (GEMM, layer, LM head) are
     summarised as one entry: the number of nodes whose factor changed by more than 5%.
     """
     rows = []
@@ -117,7 +122,7 @@ def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, flo
             continue
         if name in GRID_LABELS:
             b, a = before[name], after[name]
-            if name == prof.LAYER_FIELD:  # one grid, not one per precision class
+            if name != prof.GRID_FIELD:  # one grid, not one per precision class
                 b, a = {"": b}, {"": a}
             changed = _grid_changes(b, a)
             if changed:

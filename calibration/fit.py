@@ -28,9 +28,11 @@ import optax
 
 from calibration.profile import (
     CLUSTER_FIELDS,
+    CLUSTER_LAYER_FIELD,
     DEVICE_FIELDS,
     FIELDS,
     GRID_FIELD,
+    HEAD_FIELD,
     LAYER_FIELD,
     gpu_family,
     to_values,
@@ -64,7 +66,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # data move the nodes they touch and the rest stay at factor 1. The layer shape grid's nodes
 # get the same width. Narrower, 0.1, kept vTrain's per-shape offsets from being fitted (held-out
 # vTrain 4.0% against 2.4% at 0.3, H100 4.1% against 4.6%; benchmarks/calibration_cv.py, before
-# the grids' power-of-two fix).
+# the grids' power-of-two fix). A cluster's own layer grid gets 0.3 too; its LM head grid 1.0:
+# at 0.3 the prior held vTrain's tp 1 heads (1.7-3x the work-based time) to a fraction of that
+# and the fit lengthened the layers instead (benchmarks/calibration_cv.py; README).
 PRIOR_SD = {
     "gemm_eff": 1.0,
     "gemm_dim_half": 1.5,
@@ -87,6 +91,8 @@ PRIOR_SD = {
     "microbatch_overhead_s": 1.0,
     "gemm_shape_eff": 0.3,
     "layer_shape_time": 0.3,
+    "cluster_layer_time": 0.3,
+    "head_shape_time": 1.0,
 }
 PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
 
@@ -109,6 +115,9 @@ class FitConfig:
     # and 100 by benchmarks/small_data.py (random vTrain subsets): 300 protected 5-row fits
     # about as well and cost 30-row fits 0.2-0.4 points of held-out MAPE.
     full_rows: int = 100
+    # A cluster's own layer and LM head shape grids (on top of its GPU's) are fitted only for
+    # clusters with at least this many e2e rows; with fewer they stay at their start.
+    cluster_grid_rows: int = 300
 
 
 @dataclasses.dataclass
@@ -265,6 +274,8 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
 
 GRID_LEAF = FIELDS[GRID_FIELD][0]  # the GEMM shape grid's raw leaf
 LAYER_LEAF = FIELDS[LAYER_FIELD][0]  # the layer shape grid's raw leaf
+CLUSTER_LAYER_LEAF = FIELDS[CLUSTER_LAYER_FIELD][0]  # the cluster's own layer grid
+HEAD_LEAF = FIELDS[HEAD_FIELD][0]  # the LM head shape grid's raw leaf
 
 
 def _shared_grid(dev_tab, clu_tab, d):
@@ -335,6 +346,16 @@ def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None
     return rows(by_family, DEVICE_LEAVES), rows(by_cluster, CLUSTER_LEAVES)
 
 
+def _freeze_small_cluster_grids(clu: dict, e2e: dict, min_rows: int) -> dict:
+    """``clu`` with the cluster layer and head grids of clusters with fewer than ``min_rows``
+    e2e rows (of positive weight) held fixed (no gradient)."""
+    w = e2e.get("weight", jnp.ones_like(e2e["log_meas"]))
+    n = jnp.zeros(clu[CLUSTER_LAYER_LEAF].shape[0]).at[e2e["c"]].add((w > 0).astype(float))
+    free = (n >= min_rows)[:, None, None, None]
+    held = lambda x: jnp.where(free, x, jax.lax.stop_gradient(x))  # noqa: E731
+    return {**clu, **{k: held(clu[k]) for k in (CLUSTER_LAYER_LEAF, HEAD_LEAF)}}
+
+
 def make_loss(
     problem: Problem,
     cfg: FitConfig,
@@ -350,6 +371,8 @@ def make_loss(
 
     def loss_fn(tables, data):
         dev, clu = tables
+        if "e2e" in data:
+            clu = _freeze_small_cluster_grids(clu, data["e2e"], cfg.cluster_grid_rows)
         logs = predict_log(dev, clu, data, cfg.temperature)
         total = 0.0
         for level, lp in logs.items():

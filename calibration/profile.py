@@ -30,6 +30,8 @@ from diffcost.params import (
     GEMM_GRID,
     GEMM_GRID_CLASSES,
     GEMM_GRID_LOG2_LO,
+    HEAD_GRID,
+    HEAD_GRID_LOG2_LO,
     LAYER_GRID,
     LAYER_GRID_LOG2_LO,
     Params,
@@ -62,6 +64,8 @@ FIELDS = {
     "microbatch_overhead_s": ("microbatch_overhead_log_s", "log"),
     "gemm_shape_eff": ("gemm_shape_log_eff", "log"),
     "layer_shape_time": ("layer_shape_log_time", "log"),
+    "cluster_layer_time": ("cluster_layer_log_time", "log"),
+    "head_shape_time": ("head_shape_log_time", "log"),
 }
 DEVICE_FIELDS = (
     "gemm_eff",
@@ -105,8 +109,17 @@ def _from_raw(kind: str, raw):
 # The layer shape grid likewise: {"TxWxP" (tokens, width, tp octave nodes): time factor}.
 GRID_FIELD = "gemm_shape_eff"
 LAYER_FIELD = "layer_shape_time"
+CLUSTER_LAYER_FIELD = "cluster_layer_time"
+HEAD_FIELD = "head_shape_time"
 _GRID_DIMS = [2 ** (GEMM_GRID_LOG2_LO + i) for i in range(GEMM_GRID)]
 _LAYER_DIMS = [[2 ** (lo + i) for i in range(n)] for lo, n in zip(LAYER_GRID_LOG2_LO, LAYER_GRID)]
+_HEAD_DIMS = [[2 ** (lo + i) for i in range(n)] for lo, n in zip(HEAD_GRID_LOG2_LO, HEAD_GRID)]
+# the single sparse grids: field -> (node values per axis, node key, what the nodes are)
+SPARSE_GRIDS = {
+    LAYER_FIELD: (_LAYER_DIMS, "TxWxP", "layer shapes"),
+    CLUSTER_LAYER_FIELD: (_LAYER_DIMS, "TxWxP", "layer shapes"),
+    HEAD_FIELD: (_HEAD_DIMS, "TxHxP", "LM head shapes"),
+}
 _GRID_KEEP = 1e-4  # |log factor| below this is written as 1 (left out)
 
 
@@ -167,8 +180,8 @@ def to_values(params: Params, fields=tuple(FIELDS)) -> dict:
             out[name] = {p: float(x) for p, x in zip(PRECISIONS, v)}
         elif name == GRID_FIELD:
             out[name] = _grid_nodes(v)
-        elif name == LAYER_FIELD:
-            out[name] = _nodes(v, _LAYER_DIMS)
+        elif name in SPARSE_GRIDS:
+            out[name] = _nodes(v, SPARSE_GRIDS[name][0])
         else:
             out[name] = float(v)
     return out
@@ -192,8 +205,9 @@ def apply_values(params: Params, values: dict, where: str = "profile") -> Params
             raw = current
         elif name == GRID_FIELD:
             raw = _grid_raw(value, f"{where}: {name}")
-        elif name == LAYER_FIELD:
-            raw = _nodes_raw(value, _LAYER_DIMS, "TxWxP", f"{where}: {name}", "layer shapes")
+        elif name in SPARSE_GRIDS:
+            dims, key, what = SPARSE_GRIDS[name]
+            raw = _nodes_raw(value, dims, key, f"{where}: {name}", what)
         else:
             raw = _to_raw(kind, value)
         if not np.all(np.isfinite(raw)):

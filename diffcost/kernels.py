@@ -144,13 +144,14 @@ def layer_and_head_log_effs(table, low, m, n, k, head, base=None):
     return tuple(jnp.append(e[:count] + low * (e[count + 1 :] - e[:count]), e[count]) for e in effs)
 
 
-def layer_log_time(table, tokens, width, tp):
+def layer_log_time(table, tokens, width, tp, log2_lo=LAYER_GRID_LOG2_LO):
     """Trilinear interpolation of the layer shape grid ``table`` (``Params.layer_shape_log_time``:
     log time factors on octave nodes of tokens per microbatch, width per GPU and tp; clamped at
-    the edges) at one layer shape."""
+    the edges) at one layer shape. The LM head shape grid (``Params.head_shape_log_time``, width
+    the hidden size, its own ``log2_lo``) is read the same way."""
     coords = [
         _grid_coord(jnp.asarray(v, dtype=table.dtype), size, lo)
-        for v, size, lo in zip((tokens, width, tp), table.shape, LAYER_GRID_LOG2_LO)
+        for v, size, lo in zip((tokens, width, tp), table.shape, log2_lo)
     ]
     idx, w = _corners(table.shape, *coords)
     return jnp.sum(table.reshape(-1)[idx] * w, axis=-1)

@@ -30,6 +30,15 @@ GEMM_GRID_CLASSES = ("high", "low")
 # grid is the calibrated counterpart. It is 1 everywhere until runs of a shape move its nodes.
 LAYER_GRID = (8, 8, 4)
 LAYER_GRID_LOG2_LO = (9, 7, 0)
+# The LM head shape grid: a time factor of the LM head and loss (its GEMMs, cross-entropy passes
+# and their all-reduces) over the head's shape on one GPU, one node per octave of the tokens of a
+# microbatch (512 to 65536), of the hidden size (128 to 16384) and of tp (1 to 8; the head's
+# vocabulary is split tp ways). The head is one GEMM with a vocabulary-sized dimension, far
+# outside the shapes the layers share the GEMM grid with (that grid's nodes stop at 16384), and
+# measured heads are jagged in its shape (vTrain: tp 1 heads 1.7-3x the work-based time, tp 2
+# ones close to it). 1 everywhere until runs of a shape move its nodes.
+HEAD_GRID = (8, 8, 4)
+HEAD_GRID_LOG2_LO = (9, 7, 0)
 
 
 def _logit(p):
@@ -45,7 +54,9 @@ class Params:
     ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order;
     ``gemm_shape_log_eff`` holds, per class of ``GEMM_GRID_CLASSES``, a ``GEMM_GRID``-cubed grid
     over (m, n, k) octaves (all 0: factor 1); ``layer_shape_log_time`` a ``LAYER_GRID`` grid of
-    log time factors over a layer's (tokens, width, tp) octaves (all 0: factor 1).
+    log time factors over a layer's (tokens, width, tp) octaves (all 0: factor 1), which
+    ``cluster_layer_log_time`` (a cluster's own, same shape) adds to, and ``head_shape_log_time``
+    a ``HEAD_GRID`` one over the LM head's (tokens, hidden, tp) octaves.
     """
 
     gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
@@ -69,6 +80,8 @@ class Params:
     microbatch_overhead_log_s: jax.Array  # host time per microbatch on every stage (schedule)
     gemm_shape_log_eff: jax.Array  # [C, G, G, G] log efficiency per precision class and octave node
     layer_shape_log_time: jax.Array  # [T, W, P] log time factor of a layer per octave node
+    cluster_layer_log_time: jax.Array  # [T, W, P] the cluster's own factor on top of it
+    head_shape_log_time: jax.Array  # [T, H, P] log time factor of the LM head per octave node
 
     @property
     def gemm_eff(self):
@@ -213,4 +226,6 @@ def default_params(dtype=None) -> Params:
         microbatch_overhead_log_s=f(jnp.log(d["microbatch_overhead_s"])),
         gemm_shape_log_eff=jnp.zeros((len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3, dtype=dtype),
         layer_shape_log_time=jnp.zeros(LAYER_GRID, dtype=dtype),
+        cluster_layer_log_time=jnp.zeros(LAYER_GRID, dtype=dtype),
+        head_shape_log_time=jnp.zeros(HEAD_GRID, dtype=dtype),
     )

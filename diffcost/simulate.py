@@ -41,7 +41,7 @@ from flax import struct
 
 from diffcost import comm, kernels, smooth, workload
 from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays, PlanArrays
-from diffcost.params import Params
+from diffcost.params import HEAD_GRID_LOG2_LO, Params
 
 STATUS_OK, STATUS_OOM, STATUS_INVALID = 0, 1, 2
 STATUS_NAMES = ("ok", "oom", "invalid")
@@ -293,7 +293,12 @@ def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTi
     # The calibrated factor of the layer's shape on one GPU (1 until calibration moves it)
     # scales the whole layer, its communication included.
     shape_f = jnp.exp(
-        kernels.layer_log_time(params.layer_shape_log_time, t, model.hidden / plan.tp, plan.tp)
+        kernels.layer_log_time(
+            params.layer_shape_log_time + params.cluster_layer_log_time,
+            t,
+            model.hidden / plan.tp,
+            plan.tp,
+        )
     )
     lay_fwd = with_host(stream_fwd, host) * shape_f
     lay_bwd = with_host(stream_bwd, 2.0 * host) * shape_f
@@ -347,6 +352,13 @@ def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTi
     loss_bwd = kernels.memory_bound_s(LOSS_BWD_BYTES_PER_LOGIT * logits, cluster, params)
     # vocab-parallel cross entropy: all-reduce of max and sum per token (small)
     loss_comm = 2.0 * comm.all_reduce_s(t * 4.0, tp_group, cluster, params, tau)
+    # The calibrated factor of the head's shape on one GPU (1 until calibration moves it).
+    head_f = jnp.exp(
+        kernels.layer_log_time(params.head_shape_log_time, t, h, plan.tp, HEAD_GRID_LOG2_LO)
+    )
+    head_fwd, head_bwd, loss_fwd, loss_bwd, loss_comm = (
+        head_f * x for x in (head_fwd, head_bwd, loss_fwd, loss_bwd, loss_comm)
+    )
     head_total = head_fwd + head_bwd + loss_fwd + loss_bwd + loss_comm
     emb_total = emb_fwd + emb_bwd
 

@@ -1,4 +1,5 @@
-"""The layer shape grid: interpolation, what it scales in a prediction, profiles, summaries."""
+"""The layer and LM head shape grids: interpolation, what they scale in a prediction, profiles,
+summaries."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +7,18 @@ import numpy as np
 import pytest
 from helpers import GPT, arrays
 
+from calibration import fit as F
 from calibration import profile as prof
 from calibration.command import moved as calibrate_moved
 from calibration.command import moved_cells
 from diffcost import kernels
-from diffcost.params import LAYER_GRID, LAYER_GRID_LOG2_LO, default_params
+from diffcost.params import (
+    HEAD_GRID,
+    HEAD_GRID_LOG2_LO,
+    LAYER_GRID,
+    LAYER_GRID_LOG2_LO,
+    default_params,
+)
 from diffcost.simulate import simulate, stage_times
 from diffcost.specs import PlanSpec
 
@@ -119,3 +127,94 @@ def test_layer_grid_reads_the_same_nodes_compiled_as_eager():
     read = jax.vmap(kernels.layer_log_time, in_axes=(None, 0, 0, 0))
     np.testing.assert_allclose(jax.jit(read)(layer, t, w, tp), read(layer, t, w, tp), atol=1e-5)
     assert float(read(layer, t, w, tp)[0]) == pytest.approx(float(layer[2, 1, 3]))
+
+
+HEAD_NODES = [[2 ** (lo + i) for i in range(n)] for lo, n in zip(HEAD_GRID_LOG2_LO, HEAD_GRID)]
+
+
+def _head_node(tokens, hidden, tp):
+    return tuple(HEAD_NODES[d].index(v) for d, v in enumerate((tokens, hidden, tp)))
+
+
+def test_head_grid_scales_the_lm_head_and_loss_and_nothing_else():
+    """A node at the head's shape (tokens, hidden, tp) set to 2x: the last stage's extras (LM
+    head GEMMs, cross entropy and its all-reduces) double, the layers, the first stage's
+    embedding, the pipeline sends and the optimizer do not."""
+    plan = PlanSpec(tp=2, pp=2, microbatch=2, global_batch=16)
+    model, plan_a, cluster = arrays(GPT, plan)
+    p0 = default_params(jnp.float64)
+    node = _head_node(plan.microbatch * GPT.seq_len, GPT.hidden, plan.tp)
+    slow = p0.replace(head_shape_log_time=jnp.zeros(HEAD_GRID).at[node].set(np.log(2.0)))
+    base, moved = (stage_times(model, plan_a, cluster, p, 1e-3) for p in (p0, slow))
+    extra = lambda st, s: float(st.parts[s, 0] - st.parts[1, 0])  # noqa: E731
+    assert extra(base, 2) > 0
+    assert extra(moved, 2) == pytest.approx(2.0 * extra(base, 2), rel=1e-9)
+    assert extra(moved, 0) == pytest.approx(extra(base, 0), rel=1e-12)  # embedding only
+    np.testing.assert_allclose(moved.parts[1], base.parts[1], rtol=1e-12)
+    # the last stage's forward grows by the head's and loss's forward time, the first does not
+    assert float(moved.fwd_s[2]) > float(base.fwd_s[2])
+    assert float(moved.fwd_s[0]) == pytest.approx(float(base.fwd_s[0]), rel=1e-12)
+    assert float(moved.optimizer_s) == float(base.optimizer_s)
+    assert float(moved.p2p_s) == float(base.p2p_s)
+    g = jax.grad(
+        lambda table: (
+            simulate(
+                model, plan_a, cluster, p0.replace(head_shape_log_time=table), 1e-3
+            ).iteration_s
+        )
+    )(p0.head_shape_log_time)
+    g = np.asarray(g)
+    assert np.all(np.isfinite(g)) and g[node] > 0 and np.count_nonzero(g) == 1
+
+
+def test_head_grid_profile_round_trip_errors_and_summary(tmp_path):
+    p0 = default_params()
+    moved = p0.replace(head_shape_log_time=jnp.zeros(HEAD_GRID).at[2, 4, 0].set(np.log(2.5)))
+    values = prof.to_values(moved, ("head_shape_time",))
+    assert values == {"head_shape_time": {"2048x2048x1": pytest.approx(2.5)}}
+    back = prof.apply_values(p0, values)
+    np.testing.assert_allclose(back.head_shape_log_time, moved.head_shape_log_time, atol=1e-6)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("constants: {head_shape_time: {'2048x2000x1': 1.1}}\n")
+    with pytest.raises(prof.ProfileError, match=r"head_shape_time\.2048x2000x1: expected 'TxHxP'"):
+        prof.apply_values(p0, prof._read(bad)["constants"], str(bad))
+    before = prof.to_values(default_params())
+    rows = calibrate_moved(before, dict(before, head_shape_time={"2048x2048x1": 2.5}))
+    assert rows == [("LM head shape grid: 1 nodes moved > 5%", 0.0, 0.0)]
+    assert moved_cells(*rows[0]) == ("", "")
+
+
+def test_cluster_layer_grid_adds_to_the_device_grid():
+    """A cluster's own layer grid multiplies the device grid's factor at the same node."""
+    plan = PlanSpec(tp=2, microbatch=1, global_batch=8)
+    model, plan_a, cluster = arrays(GPT, plan)
+    p0 = default_params(jnp.float64)
+    node = _node_of(plan.microbatch * GPT.seq_len, GPT.hidden // plan.tp, plan.tp)
+    grid = _grid_with(node, np.log(1.2))
+    per_layer = lambda p: float(stage_times(model, plan_a, cluster, p, 1e-3).parts[1, 0])  # noqa: E731
+    base = per_layer(p0)
+    on_device = per_layer(p0.replace(layer_shape_log_time=grid))
+    on_cluster = per_layer(p0.replace(cluster_layer_log_time=grid))
+    both = per_layer(p0.replace(layer_shape_log_time=grid, cluster_layer_log_time=grid))
+    assert on_device == pytest.approx(on_cluster, rel=1e-12)
+    assert both == pytest.approx(1.2 * 1.2 * base, rel=1e-9)
+    assert base < on_device
+
+
+def test_cluster_grids_are_fitted_only_for_clusters_with_many_rows():
+    """Clusters with fewer e2e rows (of positive weight) than the threshold keep their cluster
+    layer and head grids: no gradient reaches them; every other constant is free."""
+    shape = (3,) + LAYER_GRID
+    clu = {F.CLUSTER_LAYER_LEAF: jnp.ones(shape), F.HEAD_LEAF: jnp.ones(shape), "x": jnp.ones(3)}
+    e2e = {
+        "log_meas": jnp.zeros(6),
+        "c": jnp.array([0, 0, 0, 1, 1, 2]),
+        "weight": jnp.array([1.0, 1, 1, 1, 0, 1]),  # cluster 1's second row is held out
+    }
+    total = lambda c: sum(  # noqa: E731
+        jnp.sum(v) for v in F._freeze_small_cluster_grids(c, e2e, 2).values()
+    )
+    g = jax.grad(total)(clu)
+    for leaf in (F.CLUSTER_LAYER_LEAF, F.HEAD_LEAF):
+        assert g[leaf][:, 0, 0, 0].tolist() == [1.0, 0.0, 0.0]
+    assert g["x"].tolist() == [1.0, 1.0, 1.0]
