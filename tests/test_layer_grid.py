@@ -33,6 +33,17 @@ def _node_of(tokens, width, tp):
     return tuple(NODES[d].index(v) for d, v in enumerate((tokens, width, tp)))
 
 
+def _iteration_grad(leaf, model, plan, cluster):
+    """Gradient of the iteration time with respect to the grid ``leaf`` of the default Params."""
+    p0 = default_params(jnp.float64)
+    time_of = lambda table: (
+        simulate(  # noqa: E731
+            model, plan, cluster, p0.replace(**{leaf: table}), 1e-3
+        ).iteration_s
+    )
+    return np.asarray(jax.grad(time_of)(getattr(p0, leaf)))
+
+
 def test_layer_grid_interpolates_between_octave_nodes_and_clamps():
     grid = _grid_with((2, 3, 1), 0.4)
     t, w, tp = NODES[0][2], NODES[1][3], NODES[2][1]
@@ -75,15 +86,7 @@ def test_layer_grid_scales_every_part_of_the_layer_and_nothing_else():
 def test_layer_grid_gradients_are_finite_and_reach_the_node_read():
     plan = PlanSpec(tp=2, microbatch=1, global_batch=8)
     model, plan_a, cluster = arrays(GPT, plan)
-    p0 = default_params(jnp.float64)
-    g = jax.grad(
-        lambda table: (
-            simulate(
-                model, plan_a, cluster, p0.replace(layer_shape_log_time=table), 1e-3
-            ).iteration_s
-        )
-    )(p0.layer_shape_log_time)
-    g = np.asarray(g)
+    g = _iteration_grad("layer_shape_log_time", model, plan_a, cluster)
     assert np.all(np.isfinite(g))
     node = _node_of(plan.microbatch * GPT.seq_len, GPT.hidden // plan.tp, plan.tp)
     assert g[node] > 0 and np.count_nonzero(g) == 1  # an exact node shape reads one node
@@ -156,14 +159,7 @@ def test_head_grid_scales_the_lm_head_and_loss_and_nothing_else():
     assert float(moved.fwd_s[0]) == pytest.approx(float(base.fwd_s[0]), rel=1e-12)
     assert float(moved.optimizer_s) == float(base.optimizer_s)
     assert float(moved.p2p_s) == float(base.p2p_s)
-    g = jax.grad(
-        lambda table: (
-            simulate(
-                model, plan_a, cluster, p0.replace(head_shape_log_time=table), 1e-3
-            ).iteration_s
-        )
-    )(p0.head_shape_log_time)
-    g = np.asarray(g)
+    g = _iteration_grad("head_shape_log_time", model, plan_a, cluster)
     assert np.all(np.isfinite(g)) and g[node] > 0 and np.count_nonzero(g) == 1
 
 
