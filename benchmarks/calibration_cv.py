@@ -26,10 +26,11 @@ Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data`
 5. ``robustness``: 10% of one fold's training e2e rows have their measured time multiplied by
    3 (fixed seed); held-out MAPE of that fold's vTrain rows, clean vs corrupted.
 6. ``flat_directions``: eigen-decomposition of the Hessian of ``calibration.fit.make_loss`` at
-   the full fit's optimum with respect to the flattened scalar constants (the GEMM and layer
-   shape grids are held at their fit; ``gemm_shape_grid`` gives, per GPU family and precision
-   class, the nodes some row depends on and the nodes the fit moved by 1% or more, and
-   ``layer_shape_grid`` the same per GPU family). The prior adds exactly the
+   the full fit's optimum with respect to the flattened scalar constants (the GEMM, layer,
+   cluster layer and LM head shape grids are held at their fit; ``gemm_shape_grid`` gives, per
+   GPU family and precision class, the nodes some row depends on and the nodes the fit moved by
+   1% or more, ``layer_shape_grid`` the same per GPU family, ``cluster_layer_grid`` and
+   ``head_shape_grid`` per cluster). The prior adds exactly the
    diagonal ``calibration.fit.prior_curvature`` (``2 prior_weight / PRIOR_SD^2``); the data
    part ``H`` minus that diagonal is what the measurements pin down.
    Its eigenvalues below 1e-6 x the largest are flat; the constants dominating them are listed.

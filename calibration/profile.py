@@ -106,7 +106,8 @@ def _from_raw(kind: str, raw):
 
 # The GEMM shape grids are stored sparsely, per precision class: {"high" | "low": {"MxNxK"
 # (octave nodes): efficiency factor}}, only the nodes the fit moved; every other node keeps 1.
-# The layer shape grid likewise: {"TxWxP" (tokens, width, tp octave nodes): time factor}.
+# The layer shape grids likewise (device and cluster): {"TxWxP" (tokens, width, tp octave nodes):
+# time factor}, and the LM head grid as {"TxHxP"} (hidden size second): ``SPARSE_GRIDS``.
 GRID_FIELD = "gemm_shape_eff"
 LAYER_FIELD = "layer_shape_time"
 CLUSTER_LAYER_FIELD = "cluster_layer_time"
