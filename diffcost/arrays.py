@@ -82,6 +82,7 @@ class PlanArrays:
     sp: jax.Array  # sequence parallel in [0, 1]
     overlap_dp: jax.Array  # [0, 1]
     overlap_tp: jax.Array  # [0, 1]
+    grad_reduce_fp32: jax.Array  # [0, 1]: 4- or 2-byte gradients (ZeRO 0-2)
     zero: jax.Array  # [4] probabilities of ZeRO stage 0..3
     recompute: jax.Array  # [3] probabilities of none / selective / full
     schedule: jax.Array  # [3] probabilities of gpipe / 1f1b / interleaved
@@ -172,6 +173,7 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
         sp=f(1.0 if (plan.sequence_parallel and plan.tp > 1) else 0.0),
         overlap_dp=f(1.0 if plan.overlap_dp else 0.0),
         overlap_tp=f(1.0 if plan.overlap_tp else 0.0),
+        grad_reduce_fp32=f(1.0 if plan.grad_reduce_fp32 else 0.0),
         zero=f(_one_hot(ZERO_STAGES.index(plan.zero), len(ZERO_STAGES))),
         recompute=f(_one_hot(RECOMPUTE_MODES.index(plan.recompute), len(RECOMPUTE_MODES))),
         schedule=f(_one_hot(SCHEDULES.index(plan.schedule), len(SCHEDULES))),

@@ -45,6 +45,8 @@ _SWITCH_FLAGS = {
     "--fp16": "fp16",
     "--overlap-grad-reduce": "overlap_dp",
     "--tp-comm-overlap": "overlap_tp",
+    "--accumulate-allreduce-grads-in-fp32": "fp32_grads",
+    "--grad-reduce-in-bf16": "bf16_grads",
     "--use-flash-attn": "flash",
     "--group-query-attention": "gqa",
 }
@@ -155,5 +157,9 @@ def parse_megatron_args(
         chunks=chunks,
         overlap_dp="overlap_dp" in switches,
         overlap_tp="overlap_tp" in switches,
+        # Megatron accumulates and reduces gradients in fp32 with --bf16 (it forces
+        # --accumulate-allreduce-grads-in-fp32), in fp16 with --fp16 unless asked for fp32.
+        grad_reduce_fp32=(precision != "fp16" or "fp32_grads" in switches)
+        and "bf16_grads" not in switches,
     )
     return model, plan, ignored

@@ -81,6 +81,7 @@ class Bounds:
     sequence_parallel: jax.Array
     overlap_dp: jax.Array
     overlap_tp: jax.Array
+    grad_reduce_fp32: jax.Array
     order_ranks: jax.Array  # [n_orders, 4]
 
 
@@ -168,6 +169,7 @@ def bounds_for(space: Space, dtype=None) -> Bounds:
         sequence_parallel=f(float(space.sequence_parallel)),
         overlap_dp=f(float(space.overlap_dp)),
         overlap_tp=f(float(space.overlap_tp)),
+        grad_reduce_fp32=f(float(space.grad_reduce_fp32)),
         order_ranks=f(ranks),
     )
 
@@ -201,6 +203,7 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
         sp=b.sequence_parallel * smooth.clip_exact(tp - 1.0, 0.0, 1.0),
         overlap_dp=b.overlap_dp,
         overlap_tp=b.overlap_tp,
+        grad_reduce_fp32=b.grad_reduce_fp32,
         zero=jax.nn.softmax(r.zero / tau),
         recompute=jax.nn.softmax(r.recompute / tau),
         schedule=jax.nn.softmax(r.schedule / tau),

@@ -46,7 +46,8 @@ from diffcost.params import HEAD_GRID_LOG2_LO, Params
 STATUS_OK, STATUS_OOM, STATUS_INVALID = 0, 1, 2
 STATUS_NAMES = ("ok", "oom", "invalid")
 
-GRAD_BYTES = 4.0  # fp32 gradient accumulation and reduction (Megatron default)
+GRAD_BYTES = 4.0  # fp32 gradient accumulation and reduction (Megatron with bf16)
+GRAD_BYTES_16 = 2.0  # 16-bit gradients (``grad_reduce_fp32`` off: DeepSpeed, Megatron fp16)
 FSDP_GRAD_BYTES = 2.0  # FSDP reduce-scatters 16-bit gradients per microbatch
 WEIGHT_BYTES = 2.0
 OPTIMIZER_STATE_BYTES = 12.0  # fp32 master weights + Adam m and v
@@ -146,6 +147,11 @@ def time_part(b: Breakdown, name: str) -> np.ndarray:
     x = np.asarray(getattr(b, name))
     total = np.abs(np.asarray(b.iteration_s))
     return np.where(np.abs(x) <= 64.0 * np.finfo(x.dtype).eps * total, 0.0, x).astype(x.dtype)
+
+
+def grad_bytes(plan: PlanArrays):
+    """Bytes per gradient element held and reduced outside ZeRO-3: fp32 or 16-bit."""
+    return GRAD_BYTES_16 + (GRAD_BYTES - GRAD_BYTES_16) * plan.grad_reduce_fp32
 
 
 def _overlap(compute, comm_s, kappa, temperature):
@@ -338,7 +344,8 @@ def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTi
     # --- stages ------------------------------------------------------------------------------
     layers = model.n_layers / plan.pp
     emb_fwd = kernels.memory_bound_s(2.0 * t * model.hidden * ACT_BYTES, cluster, params)
-    emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * GRAD_BYTES, cluster, params)
+    grad_b = grad_bytes(plan)
+    emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * grad_b, cluster, params)
     # The LM head is not an FP8/FP4 layer (Megatron-Core's output layer, llm-foundry's tied
     # head and torchtitan's float8 conversion all keep it in 16 bits).
     head_rate = low * rate16 + (1.0 - low) * rate
@@ -397,8 +404,8 @@ def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTi
     # --- data-parallel gradient sync -----------------------------------------------------------
     zero = plan.zero
     grad_sync = lambda p, grp: (  # noqa: E731
-        zero[0] * comm.all_reduce_s(p * GRAD_BYTES, grp, cluster, params, tau)
-        + (zero[1] + zero[2]) * comm.reduce_scatter_s(p * GRAD_BYTES, grp, cluster, params, tau)
+        zero[0] * comm.all_reduce_s(p * grad_b, grp, cluster, params, tau)
+        + (zero[1] + zero[2]) * comm.reduce_scatter_s(p * grad_b, grp, cluster, params, tau)
     )
     bucket = grad_sync(dense_p, dp_group) + grad_sync(expert_p, edp_group)
     emb_params = model.vocab * model.hidden / plan.tp
@@ -551,7 +558,8 @@ def memory(model, plan, cluster, temperature):
         return dense_stage / (1.0 + on * (plan.dp - 1.0)) + expert_stage / (1.0 + on * (edp - 1.0))
 
     weights = WEIGHT_BYTES * sharded(3)
-    grads = GRAD_BYTES * sharded(2)
+    grad_b = grad_bytes(plan)
+    grads = grad_b * sharded(2)
     opt = OPTIMIZER_STATE_BYTES * sharded(1)
     # ZeRO-3 holds two gathered layers (current + prefetched)
     weights = weights + z[3] * 2.0 * WEIGHT_BYTES * (dense_p + expert_p)
@@ -579,7 +587,7 @@ def memory(model, plan, cluster, temperature):
     act = act + jnp.stack([(1.0 - multi) * logits, logits])
     p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
     buffers = 4.0 * p2p_msg + 2.0 * smooth.smin2(
-        GRAD_BYTES * layers * dense_p, DP_BUCKET_BYTES, temperature
+        grad_b * layers * dense_p, DP_BUCKET_BYTES, temperature
     )
     buffers = buffers * jnp.ones(2) + RUNTIME_RESERVE_BYTES
     return weights, grads, opt, act, buffers

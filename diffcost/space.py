@@ -94,6 +94,7 @@ class Space:
     sequence_parallel: bool = True  # whenever tp > 1
     overlap_dp: bool = True
     overlap_tp: bool = False
+    grad_reduce_fp32: bool = True
 
     # --- the rules -----------------------------------------------------------------------
     def structural_splits(self) -> list[tuple[int, int, int, int]]:
@@ -187,6 +188,7 @@ class Space:
             chunks=c.chunks,
             overlap_dp=self.overlap_dp,
             overlap_tp=self.overlap_tp,
+            grad_reduce_fp32=self.grad_reduce_fp32,
             order=self.orders[c.order],
         )
 
@@ -218,6 +220,7 @@ class Space:
             sp=np.where(tp > 1, float(self.sequence_parallel), 0.0),
             overlap_dp=np.full(n, float(self.overlap_dp)),
             overlap_tp=np.full(n, float(self.overlap_tp)),
+            grad_reduce_fp32=np.full(n, float(self.grad_reduce_fp32)),
             zero=one_hot("zero", ZERO_STAGES),
             recompute=one_hot("recompute", RECOMPUTE_MODES),
             schedule=one_hot("schedule", SCHEDULES),

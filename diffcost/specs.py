@@ -122,6 +122,9 @@ class PlanSpec:
     chunks: int = 1  # virtual pipeline stages per rank (interleaved schedule)
     overlap_dp: bool = True
     overlap_tp: bool = False
+    # ZeRO 0-2 gradients are accumulated and reduced in fp32 (Megatron's main_grad with bf16);
+    # False: in 16 bits (DeepSpeed and Megatron fp16). ZeRO-3 always reduces 16-bit ones.
+    grad_reduce_fp32: bool = True
     order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 
     @property

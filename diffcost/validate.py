@@ -46,6 +46,7 @@ class FrameworkDefaults:
     attention: Attention
     overlap_dp: bool
     overlap_tp: bool  # with tp > 1
+    grad_reduce_fp32: bool = True  # ZeRO 0-2 gradients in fp32 (else 16-bit)
 
 
 _MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True)
@@ -57,9 +58,11 @@ FRAMEWORK_DEFAULTS = {
     "Megatron-Bridge": _MCORE,
     "Megatron-Core": _MCORE,
     # Megatron-DeepSpeed (vTrain): no SP, no distributed optimizer, unfused softmax attention;
-    # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction).
-    "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", "unfused", False, False),
-    "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", "unfused", True, False),
+    # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction), and its
+    # simulator all-reduces 2-byte gradients of an fp16 model (src/predictor.py).
+    "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", "unfused", False, False, False),
+    # Megatron-LM v1 trained in fp16 and all-reduced fp16 gradients (fp32 only on request).
+    "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", "unfused", True, False, False),
     # PyTorch FSDP stacks: FlashAttention-2 (llm-foundry's flash-attn, PyTorch SDPA).
     "llm-foundry": FrameworkDefaults(False, 3, "none", "flash", True, False),
     "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False),
@@ -249,8 +252,11 @@ def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, 
         chunks=chunks,
         overlap_dp=fw.overlap_dp,
         overlap_tp=fw.overlap_tp and tp > 1,
+        grad_reduce_fp32=fw.grad_reduce_fp32,
     )
     used.append(f"overlap_dp={fw.overlap_dp}")
+    if not fw.grad_reduce_fp32 and zero < 3:
+        used.append("grad_reduce_fp32=False")
     if n_micro := gb / (dp * mb):
         if abs(n_micro - round(n_micro)) > 1e-9:
             used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")

@@ -73,6 +73,21 @@ def test_megatron_args_parse_and_predict(capsys):
     assert d["n_gpus"] == 16 and d["status"] == "ok"
 
 
+@pytest.mark.parametrize(
+    "flags,fp32",
+    [
+        ("--bf16", True),  # Megatron forces fp32 accumulation and reduction with bf16
+        ("--bf16 --grad-reduce-in-bf16", False),
+        ("--fp16", False),
+        ("--fp16 --accumulate-allreduce-grads-in-fp32", True),
+    ],
+)
+def test_megatron_args_gradient_precision(flags, fp32):
+    base = "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+    _, plan, ignored = parse_megatron_args(base + flags, n_gpus=2)
+    assert plan.grad_reduce_fp32 is fp32 and ignored == []
+
+
 def test_megatron_args_errors():
     with pytest.raises(ValueError, match="--num-layers"):
         parse_megatron_args("--hidden-size 1024", n_gpus=8)

@@ -55,6 +55,14 @@ def test_non_positive_times_are_skipped_not_counted(tmp_path):
     assert out["summary"]["predicted"] == 3
 
 
+def test_megatron_deepspeed_rows_reduce_16_bit_gradients():
+    """vTrain's Megatron-DeepSpeed rows default to 2-byte gradients and say so; the
+    Megatron-Core (NeMo) row keeps fp32 and lists nothing about it."""
+    rows = validate(E2E)["rows"]
+    assert "grad_reduce_fp32=False" in rows[0]["defaults"]
+    assert not any("grad_reduce_fp32" in d for d in rows[2]["defaults"])
+
+
 def test_blank_time_is_a_skip_with_its_reason(capsys):
     out = validate(E2E)
     assert out["rows"][5]["skipped"] == "measured_iter_s blank"
