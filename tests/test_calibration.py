@@ -415,3 +415,65 @@ def test_a_level_with_few_rows_weighs_less_against_the_prior():
         )
     assert moved[1] > 0.5 * abs(TRUE_NVLINK_EFF - default)
     assert moved[2400] < 0.5 * moved[1]
+
+
+PENALTY_DELTA = 0.2
+
+
+def test_robust_penalty_blends_huber_into_cauchy():
+    resid = jnp.linspace(-2.0, 2.0, 41)
+    huber = fit_mod.robust_penalty(resid, PENALTY_DELTA, 0.0)
+    cauchy = fit_mod.robust_penalty(resid, PENALTY_DELTA, 1.0)
+    np.testing.assert_allclose(huber, optax_huber(resid, PENALTY_DELTA), rtol=1e-12)
+    np.testing.assert_allclose(
+        cauchy, 0.5 * PENALTY_DELTA**2 * np.log1p((resid / PENALTY_DELTA) ** 2), rtol=1e-12
+    )
+    # both are r^2 / 2 near zero, so small residuals are fitted the same way
+    small = jnp.array([1e-3, -2e-3])
+    for blend in (0.0, 0.5, 1.0):
+        np.testing.assert_allclose(
+            fit_mod.robust_penalty(small, PENALTY_DELTA, blend), small**2 / 2, rtol=1e-4
+        )
+    # a row 3x off pulls with Huber's capped delta, but with a small, fading pull under Cauchy's
+    pull = jax.grad(lambda r, b: fit_mod.robust_penalty(r, PENALTY_DELTA, b))
+    far = float(np.log(3.0))
+    assert float(pull(far, 0.0)) == pytest.approx(PENALTY_DELTA)
+    assert float(pull(far, 1.0)) < 0.2 * PENALTY_DELTA
+    assert float(pull(2 * far, 1.0)) < float(pull(far, 1.0))
+
+
+def optax_huber(resid, delta):
+    abs_r = np.abs(np.asarray(resid))
+    return np.where(abs_r <= delta, 0.5 * abs_r**2, delta * (abs_r - 0.5 * delta))
+
+
+def test_redescend_schedule():
+    cfg = fit_mod.FitConfig(steps=100, redescend=(0.3, 0.6))
+    assert fit_mod.redescend_at(cfg, 0) == 0.0 and fit_mod.redescend_at(cfg, 30) == 0.0
+    assert fit_mod.redescend_at(cfg, 45) == pytest.approx(0.5)
+    assert fit_mod.redescend_at(cfg, 60) == 1.0 and fit_mod.redescend_at(cfg, 99) == 1.0
+    huber_only = fit_mod.FitConfig(steps=100, redescend=(1.0, 1.0))
+    assert all(fit_mod.redescend_at(huber_only, i) == 0.0 for i in range(100))
+
+
+def _corrupt(meas, fraction, factor, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = list(meas.collectives)
+    bad = rng.choice(len(rows), size=int(round(fraction * len(rows))), replace=False)
+    for i in bad:
+        rows[i] = dataclasses.replace(rows[i], time_s=rows[i].time_s * factor)
+    return dataclasses.replace(meas, collectives=rows)
+
+
+def test_redescending_penalty_resists_gross_outliers():
+    """10% of the rows 3x too slow: Huber's capped pull still drags the fitted constants; the
+    Cauchy end of the blend lets the fit return to the clean constants."""
+    meas = _corrupt(_synthetic_collectives(), 0.1, 3.0)
+    base = dict(steps=400, prior_weight=1e-7, huber_delta=0.05, tol=-1.0)
+    errors = {}
+    for name, redescend in (("huber", (1.0, 1.0)), ("redescending", (0.3, 0.6))):
+        cfg = fit_mod.FitConfig(**base, redescend=redescend)
+        values = fit_mod.fit(meas, cfg, progress=False).cluster_values[CLUSTER]
+        errors[name] = abs(values["nvlink_eff"] / TRUE_NVLINK_EFF - 1)
+    assert errors["redescending"] < RECOVERY_REL
+    assert errors["redescending"] < 0.5 * errors["huber"]
