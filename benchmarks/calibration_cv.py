@@ -73,8 +73,9 @@ import numpy as np  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 from calibration import fit as F  # noqa: E402
-from calibration.readers import Measurements, gpu_family, load  # noqa: E402
+from calibration.readers import Measurements, load  # noqa: E402
 from diffcost.config import load_cluster  # noqa: E402
+from diffcost.gpus import FAMILY_CLUSTER, gpu_family  # noqa: E402
 from diffcost.params import GEMM_GRID_CLASSES, default_params  # noqa: E402
 from diffcost.specs import PRECISIONS  # noqa: E402
 from diffcost.validate import kendall_tau  # noqa: E402
@@ -149,7 +150,7 @@ def load_data(data_dir: Path) -> Measurements:
     )
     colls = [r for r in meas.collectives if r.cluster and r.collective in F.COLLECTIVES]
     precisions = getattr(F, "FIT_PRECISIONS", PRECISIONS)  # what build_problem keeps
-    gemms = [g for g in meas.gemms if g.gpu in F.FAMILY_CLUSTER and g.precision in precisions]
+    gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in precisions]
     return Measurements(e2e=list(meas.e2e), collectives=colls, gemms=gemms, skipped=meas.skipped)
 
 

@@ -47,8 +47,8 @@ import jax
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from calibration.profile import params_for  # noqa: E402
 from diffcost import partition, search, sweep  # noqa: E402
+from diffcost.profiles import params_for  # noqa: E402
 from diffcost.simulate import STATUS_OK  # noqa: E402
 from diffcost.space import enumerate_plans, load_space  # noqa: E402
 

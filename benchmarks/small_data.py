@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from calibration import command  # noqa: E402
 from calibration import fit as fit_mod  # noqa: E402
-from calibration import profile as prof  # noqa: E402
 from calibration.readers import load  # noqa: E402
+from diffcost import profiles as prof  # noqa: E402
 from diffcost.cache import enable_compilation_cache  # noqa: E402
 from diffcost.config import load_cluster  # noqa: E402
 from diffcost.validate import validate  # noqa: E402

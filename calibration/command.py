@@ -4,12 +4,12 @@
         ../shared/data/collectives/collectives.csv [--out profile.yaml] [--from PROFILE]
 
 The fit starts from the constants the cluster uses today (its calibrated profile under
-``calibration/profiles/``; ``--from FILE`` for another profile, ``--from none`` for the
+``diffcost/configs/profiles/``; ``--from FILE`` for another profile, ``--from none`` for the
 datasheet defaults), and its prior pulls toward them: data about one level (say, nccl-tests
 logs) refine that level and leave the rest as they were. Each calibrated cluster gets one
 file with its device and cluster constants: ``<cluster>-profile.yaml`` in the current folder,
 ``--out FILE`` (one cluster) or ``--out FOLDER``. Predictions use it with ``--profile FILE``.
-The shipped profiles under ``calibration/profiles/`` are rebuilt by
+The shipped profiles under ``diffcost/configs/profiles/`` are rebuilt by
 ``python -m calibration.make_profiles``, never by this command.
 """
 
@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from calibration import fit as fit_mod
-from calibration import profile as prof
-from calibration.readers import Measurements, cluster_family, load
+from calibration.readers import Measurements, load
+from diffcost import profiles as prof
 from diffcost.config import load_cluster
+from diffcost.gpus import cluster_family
 
 
 def select(meas: Measurements, clusters: list[str]) -> Measurements:
@@ -37,7 +38,7 @@ def _mape(resid: np.ndarray) -> float:
 
 
 def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> list[Path]:
-    """Write the fitted layers as the shipped profiles (``calibration/profiles/``): one
+    """Write the fitted layers as the shipped profiles (``diffcost/configs/profiles/``): one
     ``device-<family>.yaml`` per GPU family, one ``<cluster>.yaml`` per cluster."""
     written = []
     for fam, values in result.device_values.items():

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from calibration.profile import (
+from calibration.readers import Measurements
+from diffcost import comm, kernels
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
+from diffcost.cache import fast_compile_jit
+from diffcost.config import load_cluster
+from diffcost.gpus import FAMILY_CLUSTER, cluster_family, gpu_family
+from diffcost.params import GEMM_GRID_CLASSES, Params, default_params
+from diffcost.profiles import (
     CLUSTER_FIELDS,
     CLUSTER_LAYER_FIELD,
     DEVICE_FIELDS,
@@ -37,15 +44,8 @@ from calibration.profile import (
     GRID_FIELD,
     HEAD_FIELD,
     LAYER_FIELD,
-    gpu_family,
     to_values,
 )
-from calibration.readers import FAMILY_CLUSTER, Measurements, cluster_family
-from diffcost import comm, kernels
-from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
-from diffcost.cache import fast_compile_jit
-from diffcost.config import load_cluster
-from diffcost.params import GEMM_GRID_CLASSES, Params, default_params
 from diffcost.simulate import simulate
 from diffcost.specs import PRECISIONS
 from diffcost.workload import LOW_PRECISIONS

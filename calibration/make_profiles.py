@@ -1,4 +1,4 @@
-"""Rebuild every calibrated profile under calibration/profiles/ from the shared data.
+"""Rebuild every calibrated profile under diffcost/configs/profiles/ from the shared data.
 
     python -m calibration.make_profiles [--data ../shared/data] [--steps 600]
 

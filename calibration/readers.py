@@ -36,15 +36,18 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
-from diffcost.validate import (
+from diffcost.gpus import family_peak_flops, gpu_family, known_family, preset_family, preset_gpu
+from diffcost.runs import (
     E2E_COLUMNS,
     E2E_FLOAT_COLUMNS,
     E2E_INT_COLUMNS,
     CsvLineError,
+    RowSkipped,
     data_rows,
     number_error,
+    row_to_specs,
 )
+from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
 
 __all__ = [
     "COLLECTIVES",
@@ -54,7 +57,6 @@ __all__ = [
     "Measurements",
     "ReaderError",
     "Source",
-    "gpu_family",
     "load",
     "read_collectives_csv",
     "read_e2e_csv",
@@ -202,7 +204,7 @@ class Measurements:
         srcs = _as_set(sources)
         cluster_gpus = None
         if clusters is not None:
-            cluster_gpus = {f for f in (_preset_family(c) for c in clusters) if f is not None}
+            cluster_gpus = {f for f in (preset_family(c) for c in clusters) if f is not None}
 
         def keep_e2e(r: E2ERecord) -> bool:
             return (
@@ -214,7 +216,7 @@ class Measurements:
         def keep_coll(r: CollectiveRecord) -> bool:
             return (
                 (clusters is None or r.cluster in clusters)
-                and (gpus is None or (r.cluster is not None and _preset_family(r.cluster) in gpus))
+                and (gpus is None or (r.cluster is not None and preset_family(r.cluster) in gpus))
                 and (srcs is None or r.source_name in srcs)
             )
 
@@ -240,85 +242,6 @@ class Measurements:
             "gemms": len(self.gemms),
             "skipped": dict(Counter(reason for _, reason in self.skipped).most_common()),
         }
-
-
-# --------------------------------------------------------------------------------------------
-# GPU families
-
-_GPU_RE = re.compile(r"(?<![a-z0-9])(gb\d{3}|gh\d{3}|mi\d{3}|[abhlvt]\d{2,3})", re.IGNORECASE)
-
-
-def gpu_family(name: str) -> str:
-    """GPU family key of a GPU description: ``"H100 (sm_90; SKU not stated)"`` -> ``"h100"``,
-    ``"AMD MI350 (gfx950)"`` -> ``"mi350"``, ``"GB200-B200"`` -> ``"gb200"``.
-
-    Unknown names give their text before any parenthesis, lower-cased, non-alphanumerics as
-    ``-``.
-    """
-    known = _known_family(name)
-    if known:
-        return known
-    return re.sub(r"[^a-z0-9]+", "-", name.split("(")[0].lower()).strip("-")
-
-
-# A cluster preset whose GPU facts stand for a GPU family in kernel-only measurements.
-FAMILY_CLUSTER = {
-    "h100": "generic-h100",
-    "b200": "generic-b200",
-    "mi350": "generic-mi350",
-    "a100": "generic-a100-80g",
-    "v100": "generic-v100",
-    "gb200": "generic-gb200-nvl72",
-    "gb300": "generic-gb300-nvl72",
-}
-_PEAKS: dict[str, dict[str, float]] = {}
-
-
-def family_peak_flops(family: str, precision: str) -> float | None:
-    """Dense datasheet FLOP/s of a GPU family at ``precision`` (its ``FAMILY_CLUSTER``
-    preset), or None when the family or precision is unknown."""
-    if family not in FAMILY_CLUSTER:
-        return None
-    if family not in _PEAKS:
-        from diffcost import config as config_mod
-
-        _PEAKS[family] = config_mod.load_cluster(FAMILY_CLUSTER[family]).gpu.peak_tflops
-    tflops = _PEAKS[family].get(precision)
-    return tflops * 1e12 if tflops else None
-
-
-_PRESET_GPU: dict[str, str | None] = {}
-
-
-def cluster_family(cluster: str) -> str:
-    """GPU family key of a cluster preset (an unknown preset raises ``ConfigError``)."""
-    from diffcost.config import load_cluster
-
-    return gpu_family(load_cluster(cluster).gpu.name)
-
-
-def _preset_gpu(cluster: str) -> str | None:
-    """GPU name of a cluster preset (None when the preset cannot be loaded)."""
-    if cluster not in _PRESET_GPU:
-        from diffcost import config as config_mod
-
-        try:
-            _PRESET_GPU[cluster] = config_mod.load_cluster(cluster).gpu.name
-        except (config_mod.ConfigError, OSError):
-            _PRESET_GPU[cluster] = None
-    return _PRESET_GPU[cluster]
-
-
-def _preset_family(cluster: str) -> str | None:
-    name = _preset_gpu(cluster)
-    return None if name is None else gpu_family(name)
-
-
-def _known_family(name: str) -> str | None:
-    """GPU family key of a name that names a known family (``gpu_family`` without the
-    fallback), else None."""
-    m = _GPU_RE.search(name)
-    return m.group(1).lower() if m else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,12 +308,10 @@ _E2E_FLOAT = E2E_FLOAT_COLUMNS
 def read_e2e_csv(path) -> Measurements:
     """End-to-end runs of a CSV in the schema of ``shared/data/README.md`` section 1.
 
-    Rows become specs through ``diffcost.validate._row_to_specs`` (framework defaults for
+    Rows become specs through ``diffcost.runs.row_to_specs`` (framework defaults for
     blank cells, listed in ``E2ERecord.defaults``); rows it cannot represent, and rows without
     a positive ``measured_iter_s``, are in ``skipped``.
     """
-    from diffcost.validate import _row_to_specs, _Skip
-
     table = _Csv(path, E2E_REQUIRED, "end-to-end")
     out = Measurements()
     cluster_cache: dict = {}
@@ -409,8 +330,8 @@ def read_e2e_csv(path) -> Measurements:
             out.skipped.append((where, f"measured_iter_s {text} is not a positive time"))
             continue
         try:
-            model, plan, cluster, used = _row_to_specs(row, cluster_cache)
-        except _Skip as e:
+            model, plan, cluster, used = row_to_specs(row, cluster_cache)
+        except RowSkipped as e:
             out.skipped.append((where, str(e)))
             continue
         out.e2e.append(
@@ -633,8 +554,8 @@ def read_nccl_tests(path, cluster: str | None = None, gpus_per_node: int | None 
         lines = fh.read().splitlines()
     if not any(line.strip() for line in lines):
         raise ReaderError(path, None, "the file is empty")
-    cluster_gpu = _preset_gpu(cluster) if isinstance(cluster, str) else None
-    cluster_family = None if cluster_gpu is None else _known_family(cluster_gpu)
+    cluster_gpu = preset_gpu(cluster) if isinstance(cluster, str) else None
+    cluster_family = None if cluster_gpu is None else known_family(cluster_gpu)
 
     test: str | None = None  # from the last "..._perf" mention
     ranks: dict[int, tuple[int, str, str]] = {}  # rank -> (group, host, pid)
@@ -667,7 +588,7 @@ def read_nccl_tests(path, cluster: str | None = None, gpus_per_node: int | None 
                     )
                 ranks[rank] = info
                 log_gpu = rm.group(6).strip()
-                log_family = _known_family(log_gpu)
+                log_family = known_family(log_gpu)
                 if cluster_family and log_family and log_family != cluster_family:
                     raise ReaderError(
                         path,

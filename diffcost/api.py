@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from diffcost import smooth
+from diffcost import profiles, smooth
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
 from diffcost.params import Params
 from diffcost.simulate import Breakdown, simulate
@@ -48,11 +48,9 @@ def params_for(exp: Experiment, profile=None) -> tuple[Params, str]:
     """The calibrated Params for the experiment's cluster and a note on which layers were used.
 
     ``profile``: None for the cluster's default calibrated profile (device and cluster layers
-    under ``calibration/profiles/``), ``"none"`` for datasheet defaults, or a profile file.
+    shipped with the package), ``"none"`` for datasheet defaults, or a profile file.
     """
-    from calibration.profile import params_for as _params_for
-
-    return _params_for(exp.cluster, profile)
+    return profiles.params_for(exp.cluster, profile)
 
 
 def predict(

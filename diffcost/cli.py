@@ -239,9 +239,9 @@ def _plan_experiment(space, choice) -> Experiment:
 
 
 def cmd_search(args) -> int:
-    from calibration.profile import params_for
     from diffcost import api
     from diffcost import search as search_mod
+    from diffcost.profiles import params_for
     from diffcost.space import load_space
 
     space = load_space(args.model, args.cluster, args.gpus, args.global_batch, args.seq)

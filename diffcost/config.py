@@ -5,10 +5,11 @@ key is an error with a "did you mean" suggestion, a value of the wrong type or o
 names the file, the dotted field path, the value and what would be valid. Files may extend one
 another with ``base:``; an experiment may be adjusted with ``key=value`` overrides.
 
-Preset names (no ``/`` and no ``.yaml``) are looked up in ``configs/{models,clusters,plans,
-examples}/NAME.yaml`` of the repository, or under the directory named by the environment
-variable ``DIFFCOST_CONFIGS``. Names starting with ``_`` are bases: they can be named in
-``base:`` but are not listed as presets.
+Preset names (no ``/`` and no ``.yaml``) are looked up in ``{models,clusters,plans,examples}/
+NAME.yaml`` of the presets shipped with the package (``diffcost/configs``), or under the
+directory named by the environment variable ``DIFFCOST_CONFIGS``; a bare file name such as
+``gpt3-175b.yaml`` that is not in the working directory is looked up there too. Names starting
+with ``_`` are bases: they can be named in ``base:`` but are not listed as presets.
 
 Loading has no side effects: nothing is printed and no state is kept apart from a cache of parsed
 files keyed by path and modification time.
@@ -62,6 +63,8 @@ __all__ = [
 ]
 
 CONFIGS_ENV = "DIFFCOST_CONFIGS"
+# The presets, examples and calibrated profiles shipped inside the package.
+PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
 KINDS = ("models", "clusters", "plans", "examples")
 _KIND_NOUN = {"models": "model", "clusters": "cluster", "plans": "plan", "examples": "experiment"}
 _SECTIONS = {"model": "models", "cluster": "clusters", "plan": "plans"}
@@ -113,12 +116,13 @@ def configs_dir() -> Path:
     """The directory holding the preset folders.
 
     Returns:
-        ``$DIFFCOST_CONFIGS`` when set, else the repository's ``configs/`` directory.
+        ``$DIFFCOST_CONFIGS`` when set, else the presets shipped with the package
+        (``PACKAGE_CONFIGS``).
     """
     override = os.environ.get(CONFIGS_ENV)
     if override:
         return Path(override).expanduser().resolve()
-    return Path(__file__).resolve().parent.parent / "configs"
+    return PACKAGE_CONFIGS
 
 
 def available_presets(kind: str) -> list[str]:
@@ -197,6 +201,9 @@ def _locate(kind: str, name_or_path: str | os.PathLike, relative_to: Path | None
         path = Path(text).expanduser()
         if not path.is_absolute():
             path = (relative_to or Path.cwd()) / path
+        shipped = configs_dir() / kind / text
+        if not path.is_file() and Path(text).name == text and shipped.is_file():
+            return shipped.resolve()  # a bare file name of a shipped preset: "gpt3-175b.yaml"
         if not path.is_file():
             raise ConfigError(f"{_KIND_NOUN[kind]} file not found: {path}")
         return path.resolve()

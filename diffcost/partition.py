@@ -66,6 +66,7 @@ from flax import struct
 from diffcost import config, smooth, workload
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
 from diffcost.params import Params
+from diffcost.profiles import params_for
 from diffcost.simulate import memory, pipeline_time, stage_times
 from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
 
@@ -181,7 +182,7 @@ def problem_for(
         model_spec, plan_spec, cluster_spec: the specs (``diffcost.config`` loaders). The plan's
             ``recompute`` is ignored (the problem chooses it per stage); its schedule must be
             ``1f1b`` and ``pp >= 2``.
-        params: calibrated constants (e.g. ``calibration.profile.params_for(cluster)[0]``).
+        params: calibrated constants (e.g. ``diffcost.profiles.params_for(cluster)[0]``).
 
     Returns:
         A ``PartitionProblem`` with float64 numpy leaves (computed at JAX's default precision).
@@ -1071,14 +1072,13 @@ def partition_case(
 
     Args:
         model, cluster: preset names or YAML paths (``diffcost.config``).
-        profile: calibration profile (``calibration.profile.params_for``; None: default).
+        profile: calibration profile (``diffcost.profiles.params_for``; None: default).
         plan_fields: ``PlanSpec`` fields replacing those of ``BENCHMARK_PLAN`` (schedule is
             1f1b).
 
     Returns:
         (problem, one-line description).
     """
-    from calibration.profile import params_for
 
     model_spec = config.load_model(model)
     cluster_spec = config.load_cluster(cluster)

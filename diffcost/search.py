@@ -43,6 +43,7 @@ from diffcost.arrays import PlanArrays, cluster_arrays, model_arrays
 from diffcost.cache import fast_compile_jit
 from diffcost.config import check_plan
 from diffcost.params import Params
+from diffcost.profiles import params_for
 from diffcost.simulate import STATUS_OK, simulate
 from diffcost.space import Choice, Space
 from diffcost.specs import PLACED_DIMS, RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES
@@ -580,7 +581,6 @@ def optimize(
     Raises:
         ConfigError: unknown presets, or a request with no valid plan at all.
     """
-    from calibration.profile import params_for
     from diffcost import config as config_mod
     from diffcost import space as space_mod
 

@@ -31,7 +31,7 @@ Several hosts:
 
 Examples:
     >>> from diffcost import space, sweep  # doctest: +SKIP
-    >>> from calibration.profile import params_for  # doctest: +SKIP
+    >>> from diffcost.profiles import params_for  # doctest: +SKIP
     >>> s = space.load_space("gpt3-175b", "selene-a100-80g", 1024, 1536)  # doctest: +SKIP
     >>> result = sweep.sweep(s, params_for(s.cluster)[0])  # doctest: +SKIP
     >>> [result.choices[i] for i in sweep.best(result, 3)]  # doctest: +SKIP
@@ -59,6 +59,7 @@ from diffcost import smooth
 from diffcost.arrays import GiB, PlanArrays, cluster_arrays, model_arrays
 from diffcost.config import ConfigError
 from diffcost.params import Params
+from diffcost.profiles import params_for
 from diffcost.simulate import (
     STATUS_INVALID,
     STATUS_NAMES,
@@ -571,9 +572,8 @@ def run(args) -> int:
 
     Raises:
         ConfigError: bad model, cluster, GPU count, batch, --top or --chunk.
-        calibration.profile.ProfileError: a bad --profile.
+        diffcost.profiles.ProfileError: a bad --profile.
     """
-    from calibration.profile import params_for
 
     if args.top < 0:
         raise ConfigError(f"--top {args.top}: need 0 or more")

@@ -9,114 +9,19 @@ errors.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from diffcost import config as config_mod
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params
+from diffcost.profiles import ProfileMismatch, params_for
+from diffcost.runs import RowSkipped, read_rows, row_to_specs
 from diffcost.simulate import simulate
-from diffcost.specs import Attention, ModelSpec, PlanSpec
-
-# Vocabulary of a model family when the source does not give it.  Nemotron-3 and -4 use a
-# 256k SentencePiece vocabulary (NeMo's reported TFLOP/s for its Nemotron runs imply it).
-VOCAB_DEFAULTS = (
-    ("llama3", 128256),
-    ("llama-3", 128256),
-    ("llama2", 32000),
-    ("llama-2", 32000),
-    ("nemotron", 256000),
-)
-GPT2_VOCAB = 50257
-
-
-@dataclasses.dataclass(frozen=True)
-class FrameworkDefaults:
-    """What a framework does when a run's description leaves it out."""
-
-    sequence_parallel: bool  # with tp > 1
-    zero: int
-    recompute: str
-    attention: Attention
-    overlap_dp: bool
-    overlap_tp: bool  # with tp > 1
-    grad_reduce_fp32: bool = True  # ZeRO 0-2 gradients in fp32 (else 16-bit)
-
-
-_MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True)
-FRAMEWORK_DEFAULTS = {
-    # Megatron-Core based (NeMo, Megatron-Bridge, Megatron-LM examples): SP on with tp > 1,
-    # distributed optimizer, TE's cuDNN fused attention, overlapped grad reduce and TP comm
-    # overlap.
-    "NeMo": _MCORE,
-    "Megatron-Bridge": _MCORE,
-    "Megatron-Core": _MCORE,
-    # Megatron-DeepSpeed (vTrain): no SP, no distributed optimizer, unfused softmax attention;
-    # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction), and its
-    # simulator all-reduces 2-byte gradients of an fp16 model (src/predictor.py).
-    "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", "unfused", False, False, False),
-    # Megatron-LM v1 trained in fp16 and all-reduced fp16 gradients (fp32 only on request).
-    "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", "unfused", True, False, False),
-    # PyTorch FSDP stacks: FlashAttention-2 (llm-foundry's flash-attn, PyTorch SDPA).
-    "llm-foundry": FrameworkDefaults(False, 3, "none", "flash", True, False),
-    "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False),
-    "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
-}
-GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
-# Recompute a framework's own configs use for a model family, where that differs from the
-# framework's default: NeMo's GPT-3 performance configs (NeMo-Framework-Launcher
-# conf/training/gpt3/{5b,20b,175b}_fp8_performance.yaml) checkpoint the attention core
-# ("selective"); its Llama and Nemotron configs recompute nothing.
-FAMILY_RECOMPUTE = (("NeMo", "gpt3", "selective"),)
-
-
-# Columns an end-to-end CSV must have (their cells may be blank: "the source did not say");
-# the calibration reader (calibration.readers.read_e2e_csv) requires the same ones. Other
-# columns of the schema (ffn_hidden, kv_heads, vocab, dp, cp, ep, sp, zero, ...) may be absent.
-E2E_COLUMNS = (
-    "source",
-    "model",
-    "cluster",
-    "measured_iter_s",
-    "n_layers",
-    "hidden",
-    "heads",
-    "seq_len",
-    "n_gpus",
-    "tp",
-    "pp",
-    "microbatch",
-    "global_batch",
-)
-# Numeric columns: a non-blank cell must be a finite number, in E2E_INT_COLUMNS an integer.
-E2E_INT_COLUMNS = (
-    "n_layers",
-    "hidden",
-    "ffn_hidden",
-    "heads",
-    "kv_heads",
-    "seq_len",
-    "vocab",
-    "n_gpus",
-    "gpus_per_node",
-    "tp",
-    "pp",
-    "dp",
-    "cp",
-    "ep",
-    "sp",
-    "zero",
-    "microbatch",
-    "global_batch",
-    "interleave_chunks",
-)
-E2E_FLOAT_COLUMNS = ("measured_iter_s", "measured_tflops_per_gpu", "peer_predicted_iter_s")
 
 
 @dataclasses.dataclass
@@ -133,231 +38,9 @@ class RowResult:
     defaults: list[str] = dataclasses.field(default_factory=list)
 
 
-def _framework_key(framework: str) -> str | None:
-    """The first ``FRAMEWORK_DEFAULTS`` key named in a row's framework cell (None: unknown)."""
-    return next((key for key in FRAMEWORK_DEFAULTS if key.lower() in framework.lower()), None)
-
-
-def _int(row, key) -> int | None:
-    v = row.get(key, "").strip()
-    return int(float(v)) if v else None
-
-
-class _Skip(Exception):
-    pass
-
-
-def _row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, object, list[str]]:
-    """(model, plan, cluster, defaults used) for one CSV row, or raise _Skip(reason)."""
-    used: list[str] = []
-    name = row.get("model", "")
-    lname = name.lower().replace(" ", "")
-    fw_key = _framework_key(row.get("framework", ""))
-    fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
-    shape = {k: _int(row, k) for k in ("n_layers", "hidden", "heads", "seq_len")}
-    missing = [k for k, v in shape.items() if v is None]
-    if missing:
-        raise _Skip(f"architecture not given by the source: {', '.join(missing)}")
-    cname = row.get("cluster", "").strip()
-    if cname not in cluster_cache:
-        try:
-            cluster_cache[cname] = config_mod.load_cluster(cname)
-        except config_mod.ConfigError as e:
-            cluster_cache[cname] = e
-    cluster = cluster_cache[cname]
-    if isinstance(cluster, Exception):
-        raise _Skip(f"no cluster preset '{cname}'")
-
-    ffn = _int(row, "ffn_hidden")
-    if ffn is None:
-        ffn = 4 * shape["hidden"]
-        used.append("ffn_hidden=4*hidden")
-    kv = _int(row, "kv_heads")
-    if kv is None:
-        kv = shape["heads"]
-        used.append("kv_heads=heads")
-    vocab = _int(row, "vocab")
-    if vocab is None:
-        vocab = next((v for key, v in VOCAB_DEFAULTS if key in lname), GPT2_VOCAB)
-        used.append(f"vocab={vocab}")
-    precision = row.get("precision", "").strip()
-    if not precision:
-        precision = "bf16" if "bf16" in cluster.gpu.peak_tflops else "fp16"
-        used.append(f"precision={precision}")
-    if precision not in cluster.gpu.peak_tflops:
-        have = ", ".join(sorted(cluster.gpu.peak_tflops))
-        raise _Skip(f"precision {precision} has no peak on {cname} (has: {have})")
-    llama = "llama" in lname
-    untied = llama or "nemotron" in lname  # Nemotron: separate output matrix, no biases
-    model = ModelSpec(
-        name=name,
-        n_layers=shape["n_layers"],
-        hidden=shape["hidden"],
-        ffn_hidden=ffn,
-        heads=shape["heads"],
-        kv_heads=kv,
-        seq_len=shape["seq_len"],
-        vocab=vocab,
-        mlp="swiglu" if llama else "gelu",
-        norm="rmsnorm" if llama else "layernorm",
-        tied_embeddings=not untied,
-        bias=not (untied or "mpt" in lname),
-        precision=precision,
-        attention=fw.attention,
-    )
-    used.append(f"attention={fw.attention}")
-
-    tp, pp, cp, ep = (_int(row, k) or 1 for k in ("tp", "pp", "cp", "ep"))
-    n_gpus = _int(row, "n_gpus")
-    dp = _int(row, "dp") or (n_gpus // (tp * pp * cp) if n_gpus else None)
-    mb, gb = _int(row, "microbatch"), _int(row, "global_batch")
-    if dp is None or mb is None or gb is None:
-        raise _Skip("data-parallel size, microbatch or global batch not given")
-    if n_gpus is not None and dp * tp * pp * cp != n_gpus:
-        raise _Skip(f"dp*tp*pp*cp = {dp * tp * pp * cp} differs from n_gpus = {n_gpus}")
-    sp_cell = row.get("sp", "").strip()
-    if sp_cell:
-        sp = sp_cell == "1"
-    else:
-        sp = fw.sequence_parallel and tp > 1
-        used.append(f"sequence_parallel={sp}")
-    zero = _int(row, "zero")
-    if zero is None:
-        zero = fw.zero
-        used.append(f"zero={zero}")
-    recompute = row.get("recompute", "").strip()
-    if not recompute:
-        recompute = next(
-            (r for key, fam, r in FAMILY_RECOMPUTE if key == fw_key and lname.startswith(fam)),
-            fw.recompute,
-        )
-        used.append(f"recompute={recompute}")
-    chunks = _int(row, "interleave_chunks")
-    if chunks is None:
-        chunks = 1
-        used.append("interleave_chunks=1")
-    schedule = "interleaved" if chunks > 1 else "1f1b"
-    plan = PlanSpec(
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        cp=cp,
-        ep=ep,
-        sequence_parallel=sp,
-        zero=zero,
-        recompute=recompute,
-        microbatch=mb,
-        global_batch=gb,
-        schedule=schedule,
-        chunks=chunks,
-        overlap_dp=fw.overlap_dp,
-        overlap_tp=fw.overlap_tp and tp > 1,
-        grad_reduce_fp32=fw.grad_reduce_fp32,
-    )
-    used.append(f"overlap_dp={fw.overlap_dp}")
-    if not fw.grad_reduce_fp32 and zero < 3:
-        used.append("grad_reduce_fp32=False")
-    if n_micro := gb / (dp * mb):
-        if abs(n_micro - round(n_micro)) > 1e-9:
-            used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
-    if model.n_layers % (pp * chunks):
-        used.append(f"layers per stage={model.n_layers / (pp * chunks):.3g} (uneven split)")
-    problems = config_mod.check_plan(model, cluster, plan, n_gpus=n_gpus, strict=False)
-    if problems:
-        raise _Skip("; ".join(problems))
-    return model, plan, cluster, used
-
-
 @jax.jit
 def _simulate_batch(models, plans, clusters, params):
     return jax.vmap(simulate)(models, plans, clusters, params)
-
-
-def number_error(text: str, integer: bool) -> str | None:
-    """Why a numeric cell is unreadable, or None when it is a finite number (an integer if
-    ``integer``). Shared with ``calibration.readers``."""
-    try:
-        value = float(text)
-    except ValueError:
-        return f"not a number: {text!r}"
-    if not math.isfinite(value):
-        return f"not a finite number: {text!r}"
-    if integer and value != int(value):
-        return f"not an integer: {text!r}"
-    return None
-
-
-class CsvLineError(ValueError):
-    """A CSV row that cannot be read: its first ``line`` and why (callers add the file)."""
-
-    def __init__(self, line: int, message: str):
-        self.line, self.message = line, message
-        super().__init__(f"line {line}: {message}")
-
-
-def data_rows(reader, n_columns: int) -> Iterator[tuple[int, list[str]]]:
-    """(first line, cells) of every row of a ``csv.reader`` past its header that has a
-    non-blank cell. Shared with ``calibration.readers``.
-
-    Raises:
-        CsvLineError: a row with another number of cells than ``n_columns``, or bad CSV.
-    """
-    line = reader.line_num + 1
-    while True:
-        try:
-            cells = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as e:
-            raise CsvLineError(line, f"bad CSV: {e}") from None
-        start, line = line, reader.line_num + 1
-        if not any(c.strip() for c in cells):
-            continue
-        if len(cells) != n_columns:
-            raise CsvLineError(start, f"{len(cells)} cells, the header has {n_columns}")
-        yield start, cells
-
-
-def read_rows(path: str | os.PathLike) -> list[dict]:
-    """Data rows of an end-to-end measurement CSV, as ``{column: stripped cell}``.
-
-    Rows whose cells are all blank are left out. Blank cells stay blank (``_row_to_specs``
-    fills them); a numeric cell that holds something else is an error.
-
-    Args:
-        path: CSV in the schema of ``shared/data/README.md`` section 1.
-
-    Returns:
-        One dict per data row, in file order.
-
-    Raises:
-        ValueError: naming the file and line: an empty file, missing ``E2E_COLUMNS``, no data
-            rows, a row with more or fewer cells than the header, or a cell of
-            ``E2E_INT_COLUMNS`` / ``E2E_FLOAT_COLUMNS`` that is not a finite number (integer).
-    """
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, [])
-        blank = not any(h.strip() for h in header)
-        if blank and not any(any(c.strip() for c in cells) for cells in reader):
-            raise ValueError(f"{path}: the file is empty (expected a CSV header)")
-        header = [h.strip() for h in header]
-        missing = [c for c in E2E_COLUMNS if c not in header]
-        if missing:
-            raise ValueError(f"{path}: line 1: missing columns {missing}")
-        rows = []
-        try:
-            for start, cells in data_rows(reader, len(header)):
-                row = {k: v.strip() for k, v in zip(header, cells)}
-                for col in (*E2E_INT_COLUMNS, *E2E_FLOAT_COLUMNS):
-                    if row.get(col) and (why := number_error(row[col], col in E2E_INT_COLUMNS)):
-                        raise CsvLineError(start, f"column '{col}': {why}")
-                rows.append(row)
-        except CsvLineError as e:
-            raise ValueError(f"{path}: {e}") from None
-    if not rows:
-        raise ValueError(f"{path}: no data rows (only a header)")
-    return rows
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
@@ -394,8 +77,6 @@ def _cluster_params(cluster, params: Params | None, profile):
     profile file given was fitted on another GPU family, whose rows are then skipped."""
     if params is not None:
         return cluster_arrays(cluster), params, "parameters given by the caller"
-    from calibration.profile import ProfileMismatch, params_for
-
     try:
         cparams, note = params_for(cluster, profile)
     except ProfileMismatch as e:
@@ -441,8 +122,8 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
             r.skipped = f"measured_iter_s {measured} is not a positive time"
             continue
         try:
-            model, plan, cluster, used = _row_to_specs(row, cache)
-        except _Skip as e:
+            model, plan, cluster, used = row_to_specs(row, cache)
+        except RowSkipped as e:
             r.skipped = str(e)
             continue
         r.defaults = used

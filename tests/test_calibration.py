@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from calibration import fit as fit_mod
-from calibration import profile as prof
 from calibration.command import moved as calibrate_moved
-from calibration.readers import FAMILY_CLUSTER, CollectiveRecord, GemmRecord, Measurements, Source
+from calibration.readers import CollectiveRecord, GemmRecord, Measurements, Source
 from diffcost import kernels
+from diffcost import profiles as prof
 from diffcost.arrays import cluster_arrays
 from diffcost.config import load_cluster
+from diffcost.gpus import FAMILY_CLUSTER
 from diffcost.params import GEMM_GRID, GEMM_GRID_CLASSES, GEMM_GRID_LOG2_LO, default_params
 from diffcost.specs import PRECISIONS
 

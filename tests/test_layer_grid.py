@@ -8,10 +8,10 @@ import pytest
 from helpers import GPT, arrays
 
 from calibration import fit as F
-from calibration import profile as prof
 from calibration.command import moved as calibrate_moved
 from calibration.command import moved_cells
 from diffcost import kernels
+from diffcost import profiles as prof
 from diffcost.params import (
     HEAD_GRID,
     HEAD_GRID_LOG2_LO,

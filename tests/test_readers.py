@@ -17,14 +17,14 @@ from calibration.readers import (
     ReaderError,
     Source,
     detect_kind,
-    gpu_family,
     load,
     read_collectives_csv,
     read_e2e_csv,
     read_gemm_csv,
     read_nccl_tests,
 )
-from diffcost.validate import E2E_COLUMNS, read_rows
+from diffcost.gpus import gpu_family
+from diffcost.runs import E2E_COLUMNS, read_rows
 
 DATA = Path(__file__).parent / "data"
 E2E = DATA / "readers_e2e.csv"

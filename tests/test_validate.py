@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from diffcost import cli
-from diffcost.validate import E2E_COLUMNS, read_rows, validate
+from diffcost.runs import E2E_COLUMNS, read_rows
+from diffcost.validate import validate
 
 E2E = Path(__file__).parent / "data" / "readers_e2e.csv"  # 3 predictable rows, then 3 others
 
@@ -153,7 +154,7 @@ def test_rows_are_read_with_their_lines(tmp_path):
 def test_a_profile_of_another_gpu_skips_that_gpus_rows(tmp_path):
     """``--profile FILE`` fitted on A100s predicts the A100 rows with it; rows on H100
     clusters are skipped with the reason, not predicted with another GPU's constants."""
-    from calibration import profile as prof
+    from diffcost import profiles as prof
 
     fitted = prof.write_profile(
         tmp_path / "a100.yaml", {"nic_eff": 0.5}, {"layer": "cluster+device", "key": "vtrain-a100"}

@@ -1,14 +1,13 @@
 """Calibrated profiles: layered Params for a cluster, stored as YAML.
 
-Two layers:
+Two layers, shipped with the package in ``diffcost/configs/profiles/``:
 
 * **device** constants (kernel efficiencies, launch gap, the rate at which a reducing
   collective passes over its buffer on the GPU, the GEMM and layer shape grids): one set per
-  GPU family, shared by every cluster with that GPU
-  (``calibration/profiles/device-<family>.yaml``);
+  GPU family, shared by every cluster with that GPU (``device-<family>.yaml``);
 * **cluster** constants (link efficiencies and latencies, small-message curve, host dispatch,
   interference, optimizer traffic, per-iteration overhead): one set per cluster
-  (``calibration/profiles/<cluster>.yaml``).
+  (``<cluster>.yaml``).
 
 ``params_for(cluster)`` starts from the datasheet defaults, applies the device file of the
 cluster's GPU family when there is one, then the cluster's own file, and says which it used.
@@ -25,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from calibration.readers import gpu_family
+from diffcost import config
+from diffcost.gpus import gpu_family
 from diffcost.params import (
     GEMM_GRID,
     GEMM_GRID_CLASSES,
@@ -39,7 +39,7 @@ from diffcost.params import (
 )
 from diffcost.specs import PRECISIONS, ClusterSpec
 
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+PROFILES_DIR = config.PACKAGE_CONFIGS / "profiles"
 
 # field name in a profile -> (raw leaf, transform): "log" or "logit"
 FIELDS = {
@@ -250,11 +250,9 @@ def profile_family(doc: dict) -> str | None:
         return None
     if doc.get("layer") == "device":
         return str(key)
-    from diffcost.config import ConfigError, load_cluster
-
     try:
-        return gpu_family(load_cluster(str(key)).gpu.name)
-    except ConfigError:
+        return gpu_family(config.load_cluster(str(key)).gpu.name)
+    except config.ConfigError:
         return None
 
 

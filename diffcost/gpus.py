@@ -1,0 +1,84 @@
+"""GPU families: the key a GPU description reduces to, and the preset that stands for each.
+
+Calibrated device constants are shared by every cluster with GPUs of one family (``"h100"``,
+``"a100"``, ``"mi350"``, ...); this module says which family a GPU name or a cluster preset
+belongs to.
+"""
+
+from __future__ import annotations
+
+import re
+
+from diffcost import config
+
+_GPU_RE = re.compile(r"(?<![a-z0-9])(gb\d{3}|gh\d{3}|mi\d{3}|[abhlvt]\d{2,3})", re.IGNORECASE)
+
+# A cluster preset whose GPU facts stand for a GPU family in kernel-only measurements.
+FAMILY_CLUSTER = {
+    "h100": "generic-h100",
+    "b200": "generic-b200",
+    "mi350": "generic-mi350",
+    "a100": "generic-a100-80g",
+    "v100": "generic-v100",
+    "gb200": "generic-gb200-nvl72",
+    "gb300": "generic-gb300-nvl72",
+}
+_PEAKS: dict[str, dict[str, float]] = {}
+_PRESET_GPU: dict[str, str | None] = {}
+
+
+def known_family(name: str) -> str | None:
+    """GPU family key of a name that names a known family (``gpu_family`` without the
+    fallback), else None."""
+    m = _GPU_RE.search(name)
+    return m.group(1).lower() if m else None
+
+
+def gpu_family(name: str) -> str:
+    """GPU family key of a GPU description.
+
+    Unknown names give their text before any parenthesis, lower-cased, non-alphanumerics as
+    ``-``.
+
+    Examples:
+        >>> gpu_family("H100 (sm_90; SKU not stated)"), gpu_family("AMD MI350 (gfx950)")
+        ('h100', 'mi350')
+        >>> gpu_family("GB200-B200"), gpu_family("Ascend 910B")
+        ('gb200', 'ascend-910b')
+    """
+    known = known_family(name)
+    if known:
+        return known
+    return re.sub(r"[^a-z0-9]+", "-", name.split("(")[0].lower()).strip("-")
+
+
+def family_peak_flops(family: str, precision: str) -> float | None:
+    """Dense datasheet FLOP/s of a GPU family at ``precision`` (its ``FAMILY_CLUSTER``
+    preset), or None when the family or precision is unknown."""
+    if family not in FAMILY_CLUSTER:
+        return None
+    if family not in _PEAKS:
+        _PEAKS[family] = config.load_cluster(FAMILY_CLUSTER[family]).gpu.peak_tflops
+    tflops = _PEAKS[family].get(precision)
+    return tflops * 1e12 if tflops else None
+
+
+def cluster_family(cluster: str) -> str:
+    """GPU family key of a cluster preset (an unknown preset raises ``ConfigError``)."""
+    return gpu_family(config.load_cluster(cluster).gpu.name)
+
+
+def preset_gpu(cluster: str) -> str | None:
+    """GPU name of a cluster preset, or None when the preset cannot be loaded."""
+    if cluster not in _PRESET_GPU:
+        try:
+            _PRESET_GPU[cluster] = config.load_cluster(cluster).gpu.name
+        except (config.ConfigError, OSError):
+            _PRESET_GPU[cluster] = None
+    return _PRESET_GPU[cluster]
+
+
+def preset_family(cluster: str) -> str | None:
+    """GPU family key of a cluster preset, or None when the preset cannot be loaded."""
+    name = preset_gpu(cluster)
+    return None if name is None else gpu_family(name)
