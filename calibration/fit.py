@@ -35,7 +35,7 @@ from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
 from diffcost.config import load_cluster
 from diffcost.gpus import FAMILY_CLUSTER, cluster_family, gpu_family
-from diffcost.params import GEMM_GRID_CLASSES, Params, default_params
+from diffcost.params import CONSTANTS, GEMM_GRID_CLASSES, Params, default_params
 from diffcost.profiles import (
     CLUSTER_FIELDS,
     CLUSTER_LAYER_FIELD,
@@ -54,49 +54,8 @@ FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-# Width of the prior around each datasheet default, in the raw units the fit moves (natural
-# log for positive constants, logit for fractions): how far a datasheet-style value is
-# plausibly off. Link efficiencies are well known from nccl-tests (0.8 -> 0.66-0.89 at one
-# width); kernel efficiencies and latencies less so. The per-iteration overhead (data loading,
-# logging, framework hooks) gets one e-fold: at width 2 the fit turned time it could not
-# explain in long runs into a fixed cost per iteration (0.47 s on dgx-h100 with its short runs
-# held out), which short runs then paid. That width was picked from 2, 1 and 0.5 by the
-# grouped CV itself (H100: 5.73, 5.44, 5.62%), so it carries a small selection bias. Rerun
-# after the H100 FP8 GEMM tables were dropped (readers.read_gemm_csv): 5.02, 4.65, 4.66%.
-# FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
-# on Hopper, so its odds ratio stays near 1 where no data separates the two kernels.
-# The GEMM shape grid's nodes get 0.3 (a node 30% off the smooth curve is one width away): the
-# data move the nodes they touch and the rest stay at factor 1. The layer shape grid's nodes
-# get the same width. Narrower, 0.1, kept vTrain's per-shape offsets from being fitted (held-out
-# vTrain 4.0% against 2.4% at 0.3, H100 4.1% against 4.6%; benchmarks/calibration_cv.py, before
-# the grids' power-of-two fix). A cluster's own layer grid gets 0.3 too; its LM head grid 1.0:
-# at 0.3 the prior held vTrain's tp 1 heads (1.7-3x the work-based time) to a fraction of that
-# and the fit lengthened the layers instead (benchmarks/calibration_cv.py; README).
-PRIOR_SD = {
-    "gemm_eff": 1.0,
-    "gemm_dim_half": 1.5,
-    "attn_eff": 1.0,
-    "attn_flash_odds": 0.5,
-    "mem_eff": 1.0,
-    "kernel_overhead_s": 1.0,
-    "host_op_s": 1.0,
-    "host_overlap": 1.5,
-    "nvlink_eff": 0.7,
-    "nic_eff": 0.7,
-    "nvlink_latency_scale": 1.0,
-    "nic_latency_scale": 1.0,
-    "half_bw_bytes": 1.5,
-    "collective_overhead_s": 1.5,
-    "reduce_Bps": 1.0,
-    "interference": 1.5,
-    "optimizer_bytes_per_param": 1.0,
-    "iteration_overhead_s": 1.0,
-    "microbatch_overhead_s": 1.0,
-    "gemm_shape_eff": 0.3,
-    "layer_shape_time": 0.3,
-    "cluster_layer_time": 0.3,
-    "head_shape_time": 1.0,
-}
+# Width of the prior around each datasheet default, in raw units (``Constant.prior_sd``).
+PRIOR_SD = {c.name: c.prior_sd for c in CONSTANTS}
 PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
 
 

@@ -22,8 +22,6 @@ per node are not speed knobs and are left out.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +29,7 @@ import numpy as np
 from diffcost import smooth
 from diffcost.arrays import GiB
 from diffcost.cache import fast_compile_jit
-from diffcost.params import Params
+from diffcost.params import BY_LEAF, CONSTANTS, Params
 from diffcost.simulate import STATUS_NAMES, simulate
 from diffcost.specs import PRECISIONS, Experiment
 
@@ -47,47 +45,13 @@ _CLUSTER_KNOBS = (
     ("nic_latency_s", "NIC latency", "µs", 1e6),
     ("oversubscription", "fabric oversubscription", "x", 1.0),
 )
-# Labels of the Params leaves: raw leaf -> (name, unit shown, factor to that unit). Every scalar
-# leaf of ``Params`` is a knob (``*_logit``: a fraction, ``*_log*``: a positive quantity), so a
-# constant added there shows up here; one without a label gets its field name.
-_PARAM_LABELS = {
-    "gemm_dim_half_log": ("GEMM half-efficiency dim", "", 1.0),
-    "attn_eff_logit": ("fused attention efficiency", "%", 100.0),
-    "attn_flash_log_odds": ("FlashAttention-2 odds ratio", "x", 1.0),
-    "mem_eff_logit": ("HBM efficiency", "%", 100.0),
-    "kernel_overhead_log_s": ("kernel launch overhead", "µs", 1e6),
-    "host_op_log_s": ("host time per op", "µs", 1e6),
-    "host_overlap_logit": ("host dispatch hidden", "%", 100.0),
-    "nvlink_eff_logit": ("NVLink efficiency", "%", 100.0),
-    "nic_eff_logit": ("NIC efficiency", "%", 100.0),
-    "nvlink_latency_log_scale": ("NVLink latency scale", "x", 1.0),
-    "nic_latency_log_scale": ("NIC latency scale", "x", 1.0),
-    "half_bw_log_bytes": ("half-bandwidth message", "MiB", 2.0**-20),
-    "collective_overhead_log_s": ("collective call overhead", "µs", 1e6),
-    "reduce_log_Bps": ("collective reduction pass", "GB/s", 1e-9),
-    "interference_log": ("overlap interference", "%", 100.0),
-    "optimizer_log_bytes_per_param": ("optimizer bytes per param", "B", 1.0),
-    "iteration_overhead_log_s": ("per-iteration overhead", "ms", 1e3),
-    "microbatch_overhead_log_s": ("per-microbatch overhead", "ms", 1e3),
-}
-_VECTOR_PARAM = "gemm_eff_logit"  # per precision: the vector knobs below
 
 
-def _param_knobs(params: Params) -> tuple[tuple[str, str, str], ...]:
-    """(raw leaf, key, "log" or "logit") of every scalar Params leaf but ``gemm_eff``.
-
-    The key is the constrained property's name: the raw name without ``_logit`` / ``_log``.
-    """
-    knobs = []
-    for field in dataclasses.fields(params):
-        raw = field.name
-        if raw == _VECTOR_PARAM or np.ndim(getattr(params, raw)) != 0:
-            continue
-        if raw.endswith("_logit"):
-            knobs.append((raw, raw.removesuffix("_logit"), "logit"))
-        elif "_log" in raw:
-            knobs.append((raw, raw.replace("_log", "", 1), "log"))
-    return tuple(knobs)
+def _param_knobs() -> tuple[tuple[str, str, str], ...]:
+    """(raw leaf, constant name, "log" or "logit") of every scalar calibrated constant (every
+    entry of ``diffcost.params.CONSTANTS`` with a scalar leaf, so a constant added there shows
+    up here with its label)."""
+    return tuple((c.leaf, c.name, c.transform) for c in CONSTANTS if c.shape == ())
 
 
 # Vector knobs (per precision): 0 model-precision peak, 1 16-bit peak, 2 and 3 the same for
@@ -183,7 +147,7 @@ def explain(
     eff = np.asarray(params.gemm_eff, dtype=float)
     m_prec, m_16 = _precision_groups(peak, prec)
     masks = tuple(np.asarray(m, dtype=dtype) for m in (m_prec, m_16))
-    knobs = _param_knobs(params)
+    knobs = _param_knobs()
     u = np.zeros(_N_VECTOR + len(_CLUSTER_KNOBS) + len(knobs), dtype=dtype)
     out, grad = _run(u, model, plan, cluster, params, masks, knobs=knobs, temperature=temperature)
     grad = np.asarray(grad, dtype=float)
@@ -209,7 +173,7 @@ def explain(
         value = float(np.asarray(getattr(cluster, key))) * scale
         row(key, _HARDWARE, name, value, unit, grad[_N_VECTOR + i])
     for i, (raw, key, kind) in enumerate(knobs):
-        name, unit, scale = _PARAM_LABELS.get(raw, (key.replace("_", " "), "", 1.0))
+        name, unit, scale = BY_LEAF[raw].label, BY_LEAF[raw].unit, BY_LEAF[raw].scale
         r = float(np.asarray(getattr(params, raw)))
         value = (np.exp(r) if kind == "log" else 1.0 / (1.0 + np.exp(-r))) * scale
         row(key, _CALIBRATION, name, value, unit, grad[_N_VECTOR + len(_CLUSTER_KNOBS) + i])

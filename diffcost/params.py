@@ -1,11 +1,20 @@
-"""Every constant the model is calibrated on, in one pytree, reparametrized to stay valid.
+"""Every constant the model is calibrated on: one registry, and the pytree built from it.
 
-Leaves are unconstrained raw values (log for positive quantities, logit for fractions); the
-properties return the constrained values the cost model uses. Defaults come from datasheets
-and common practice, not from fitting; ``calibration/`` fits them to measurements.
+``CONSTANTS`` holds one :class:`Constant` per calibrated quantity: its name, the raw leaf that
+stores it, its transform (log for positive quantities, logit for fractions), its datasheet
+default, the width of the calibration prior, the level it belongs to (device, cluster or
+software stack), and how reports label it. ``Params`` (its leaves are the raw, unconstrained
+values; a property of the constant's name returns the constrained value), ``default_params``,
+the profile fields (``diffcost.profiles``), the prior widths (``calibration.fit``) and
+``diffcost.explain``'s labels all derive from it: adding a constant is one entry here.
+Defaults come from datasheets and common practice, not from fitting; ``calibration/`` fits them
+to measurements.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -41,128 +50,44 @@ HEAD_GRID = (8, 8, 4)
 HEAD_GRID_LOG2_LO = (9, 7, 0)
 
 
-def _logit(p):
-    p = jnp.asarray(p, dtype=float)
-    return jnp.log(p) - jnp.log1p(-p)
+Transform = Literal["log", "logit"]
+Level = Literal["device", "cluster", "stack"]
+PER_PRECISION = (len(PRECISIONS),)
+LEVELS = ("device", "cluster", "stack")
 
 
-@struct.dataclass
-class Params:
-    """Calibratable constants (raw, unconstrained leaves).
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """One calibrated constant.
 
-    Efficiencies are fractions of a datasheet peak; latencies and overheads are seconds.
-    ``gemm_eff`` has one entry per precision in ``diffcost.specs.PRECISIONS`` order;
-    ``gemm_shape_log_eff`` holds, per class of ``GEMM_GRID_CLASSES``, a ``GEMM_GRID``-cubed grid
-    over (m, n, k) octaves (all 0: factor 1); ``layer_shape_log_time`` a ``LAYER_GRID`` grid of
-    log time factors over a layer's (tokens, width, tp) octaves (all 0: factor 1), which
-    ``cluster_layer_log_time`` (a cluster's own, same shape) adds to, and ``head_shape_log_time``
-    a ``HEAD_GRID`` one over the LM head's (tokens, hidden, tp) octaves.
+    Attributes:
+        name: the constrained quantity: profile field and ``Params`` property (SI units).
+        leaf: the raw ``Params`` leaf that stores it.
+        transform: ``"log"`` (positive) or ``"logit"`` (fraction in (0, 1)).
+        default: datasheet default, constrained; a ``{precision: value}`` mapping for per-
+            precision constants; None for shape grids (factor 1 everywhere).
+        prior_sd: width of the calibration prior around the default, in raw units.
+        level: ``"device"`` (per GPU family), ``"cluster"`` (per cluster) or ``"stack"``
+            (per software stack).
+        label: what reports call it.
+        unit: the unit reports show; ``scale`` converts the SI value to it.
+        shape: the leaf's shape: () for a scalar, ``PER_PRECISION``, or a grid's shape.
     """
 
-    gemm_eff_logit: jax.Array  # [n_precisions] large-GEMM fraction of peak FLOP/s
-    gemm_dim_half_log: jax.Array  # GEMM dimension at which that dimension halves efficiency
-    attn_eff_logit: jax.Array  # fused (cuDNN) attention efficiency relative to 16-bit peak
-    attn_flash_log_odds: jax.Array  # odds ratio of FlashAttention-2's efficiency to it
-    mem_eff_logit: jax.Array  # fraction of HBM bandwidth reached by memory-bound kernels
-    kernel_overhead_log_s: jax.Array  # GPU-side gap per kernel launch
-    host_op_log_s: jax.Array  # CPU time to dispatch one framework op (eager Python + autograd)
-    host_overlap_logit: jax.Array  # fraction of host dispatch hidden under GPU work (1: max)
-    nvlink_eff_logit: jax.Array  # fraction of NVLink bandwidth reached by collectives
-    nic_eff_logit: jax.Array  # fraction of NIC bandwidth reached by collectives
-    nvlink_latency_log_scale: jax.Array  # multiplier on the cluster's NVLink latency
-    nic_latency_log_scale: jax.Array  # multiplier on the cluster's NIC latency
-    half_bw_log_bytes: jax.Array  # message size reaching half the link bandwidth
-    collective_overhead_log_s: jax.Array  # fixed cost of one collective call (launch, sync)
-    reduce_log_Bps: jax.Array  # rate of a reducing collective's pass over its whole buffer
-    interference_log: jax.Array  # slowdown of compute and comm while they overlap
-    optimizer_log_bytes_per_param: jax.Array  # HBM traffic of the optimizer step per parameter
-    iteration_overhead_log_s: jax.Array  # fixed per-iteration cost (data, logging, sync)
-    microbatch_overhead_log_s: jax.Array  # host time per microbatch on every stage (schedule)
-    gemm_shape_log_eff: jax.Array  # [C, G, G, G] log efficiency per precision class and octave node
-    layer_shape_log_time: jax.Array  # [T, W, P] log time factor of a layer per octave node
-    cluster_layer_log_time: jax.Array  # [T, W, P] the cluster's own factor on top of it
-    head_shape_log_time: jax.Array  # [T, H, P] log time factor of the LM head per octave node
+    name: str
+    leaf: str
+    transform: Transform
+    default: float | dict | None
+    prior_sd: float
+    level: Level
+    label: str
+    unit: str = ""
+    scale: float = 1.0
+    shape: tuple[int, ...] = ()
 
     @property
-    def gemm_eff(self):
-        return jax.nn.sigmoid(self.gemm_eff_logit)
-
-    @property
-    def gemm_dim_half(self):
-        return jnp.exp(self.gemm_dim_half_log)
-
-    @property
-    def attn_eff(self):
-        return jax.nn.sigmoid(self.attn_eff_logit)
-
-    @property
-    def attn_flash_odds(self):
-        return jnp.exp(self.attn_flash_log_odds)
-
-    def attention_eff(self, flash2):
-        """Attention kernel efficiency: the fused (cuDNN) kernel's ``attn_eff``, or for
-        ``flash2`` = 1 FlashAttention-2's, whose odds are ``attn_flash_odds`` times those."""
-        return jax.nn.sigmoid(self.attn_eff_logit + flash2 * self.attn_flash_log_odds)
-
-    @property
-    def mem_eff(self):
-        return jax.nn.sigmoid(self.mem_eff_logit)
-
-    @property
-    def kernel_overhead_s(self):
-        return jnp.exp(self.kernel_overhead_log_s)
-
-    @property
-    def host_op_s(self):
-        return jnp.exp(self.host_op_log_s)
-
-    @property
-    def host_overlap(self):
-        return jax.nn.sigmoid(self.host_overlap_logit)
-
-    @property
-    def nvlink_eff(self):
-        return jax.nn.sigmoid(self.nvlink_eff_logit)
-
-    @property
-    def nic_eff(self):
-        return jax.nn.sigmoid(self.nic_eff_logit)
-
-    @property
-    def nvlink_latency_scale(self):
-        return jnp.exp(self.nvlink_latency_log_scale)
-
-    @property
-    def nic_latency_scale(self):
-        return jnp.exp(self.nic_latency_log_scale)
-
-    @property
-    def half_bw_bytes(self):
-        return jnp.exp(self.half_bw_log_bytes)
-
-    @property
-    def collective_overhead_s(self):
-        return jnp.exp(self.collective_overhead_log_s)
-
-    @property
-    def reduce_Bps(self):
-        return jnp.exp(self.reduce_log_Bps)
-
-    @property
-    def interference(self):
-        return jnp.exp(self.interference_log)
-
-    @property
-    def optimizer_bytes_per_param(self):
-        return jnp.exp(self.optimizer_log_bytes_per_param)
-
-    @property
-    def iteration_overhead_s(self):
-        return jnp.exp(self.iteration_overhead_log_s)
-
-    @property
-    def microbatch_overhead_s(self):
-        return jnp.exp(self.microbatch_overhead_log_s)
+    def is_grid(self) -> bool:
+        return self.default is None
 
 
 # Datasheet-style defaults, constrained values. Sources: NVIDIA's published large-GEMM
@@ -172,27 +97,125 @@ class Params:
 # a reducing collective's pass over its buffer runs on a few SMs at ~1 TB/s (order of
 # magnitude: the A100 all-reduce tables fit ~0.5 TB/s); PyTorch eager dispatch costs ~10 us of
 # CPU per op with autograd, so small layers are bound by the host, not the GPU.
-DEFAULTS = {
-    "gemm_eff": {"fp32": 0.80, "bf16": 0.80, "fp16": 0.80, "fp8": 0.65, "fp4": 0.55},
-    "gemm_dim_half": 48.0,
-    "attn_eff": 0.70,
-    "attn_flash_odds": 1.0,
-    "mem_eff": 0.80,
-    "kernel_overhead_s": 4e-6,
-    "host_op_s": 15e-6,
-    "host_overlap": 0.95,
-    "nvlink_eff": 0.80,
-    "nic_eff": 0.85,
-    "nvlink_latency_scale": 1.0,
-    "nic_latency_scale": 1.0,
-    "half_bw_bytes": 1.0 * 2**20,
-    "collective_overhead_s": 10e-6,
-    "reduce_Bps": 1e12,
-    "interference": 0.05,
-    "optimizer_bytes_per_param": 28.0,
-    "iteration_overhead_s": 5e-3,
-    "microbatch_overhead_s": 1e-3,
-}
+# Prior widths (``prior_sd``) are in the raw units the fit moves (natural log for positive
+# constants, logit for fractions): how far a datasheet-style value is plausibly off. Link
+# efficiencies are well known from nccl-tests (0.8 -> 0.66-0.89 at one width); kernel
+# efficiencies and latencies less so. The per-iteration overhead (data loading, logging,
+# framework hooks) gets one e-fold: wider, the fit turns time it cannot explain in long runs
+# into a fixed cost per iteration that short runs then pay; that width was picked from 2, 1 and
+# 0.5 by the grouped CV (benchmarks/calibration_cv.py), so it carries a small selection bias.
+# FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
+# on Hopper, so its odds ratio stays near 1 where no data separates the two kernels. Shape grid
+# nodes get 0.3 (a node 30% off the smooth curve is one width away): the data move the nodes
+# they touch and the rest stay at factor 1; narrower (0.1) kept vTrain's per-shape offsets from
+# being fitted. The LM head grid gets 1.0: at 0.3 the prior held vTrain's tp 1 heads (1.7-3x
+# the work-based time) to a fraction of that and the fit lengthened the layers instead.
+_GEMM_EFF = {"fp32": 0.80, "bf16": 0.80, "fp16": 0.80, "fp8": 0.65, "fp4": 0.55}
+_C = Constant
+# fmt: off
+CONSTANTS = (
+    # name, leaf, transform, default, prior sd, level, label, unit, scale[, shape]
+    _C("gemm_eff", "gemm_eff_logit", "logit", _GEMM_EFF, 1.0, "device",
+       "GEMM efficiency", "%", 100.0, PER_PRECISION),
+    _C("gemm_dim_half", "gemm_dim_half_log", "log", 48.0, 1.5, "device",
+       "GEMM half-efficiency dim"),
+    _C("attn_eff", "attn_eff_logit", "logit", 0.70, 1.0, "device",
+       "fused attention efficiency", "%", 100.0),
+    _C("attn_flash_odds", "attn_flash_log_odds", "log", 1.0, 0.5, "device",
+       "FlashAttention-2 odds ratio", "x"),
+    _C("mem_eff", "mem_eff_logit", "logit", 0.80, 1.0, "device", "HBM efficiency", "%", 100.0),
+    _C("kernel_overhead_s", "kernel_overhead_log_s", "log", 4e-6, 1.0, "device",
+       "kernel launch overhead", "µs", 1e6),
+    _C("host_op_s", "host_op_log_s", "log", 15e-6, 1.0, "cluster", "host time per op", "µs", 1e6),
+    _C("host_overlap", "host_overlap_logit", "logit", 0.95, 1.5, "cluster",
+       "host dispatch hidden", "%", 100.0),
+    _C("nvlink_eff", "nvlink_eff_logit", "logit", 0.80, 0.7, "cluster",
+       "NVLink efficiency", "%", 100.0),
+    _C("nic_eff", "nic_eff_logit", "logit", 0.85, 0.7, "cluster", "NIC efficiency", "%", 100.0),
+    _C("nvlink_latency_scale", "nvlink_latency_log_scale", "log", 1.0, 1.0, "cluster",
+       "NVLink latency scale", "x"),
+    _C("nic_latency_scale", "nic_latency_log_scale", "log", 1.0, 1.0, "cluster",
+       "NIC latency scale", "x"),
+    _C("half_bw_bytes", "half_bw_log_bytes", "log", 1.0 * 2**20, 1.5, "cluster",
+       "half-bandwidth message", "MiB", 2.0**-20),
+    _C("collective_overhead_s", "collective_overhead_log_s", "log", 10e-6, 1.5, "cluster",
+       "collective call overhead", "µs", 1e6),
+    _C("reduce_Bps", "reduce_log_Bps", "log", 1e12, 1.0, "device",
+       "collective reduction pass", "GB/s", 1e-9),
+    _C("interference", "interference_log", "log", 0.05, 1.5, "cluster",
+       "overlap interference", "%", 100.0),
+    _C("optimizer_bytes_per_param", "optimizer_log_bytes_per_param", "log", 28.0, 1.0,
+       "cluster", "optimizer bytes per param", "B"),
+    _C("iteration_overhead_s", "iteration_overhead_log_s", "log", 5e-3, 1.0, "cluster",
+       "per-iteration overhead", "ms", 1e3),
+    _C("microbatch_overhead_s", "microbatch_overhead_log_s", "log", 1e-3, 1.0, "cluster",
+       "per-microbatch overhead", "ms", 1e3),
+    _C("gemm_shape_eff", "gemm_shape_log_eff", "log", None, 0.3, "device",
+       "GEMM shape efficiency factor", shape=(len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3),
+    _C("layer_shape_time", "layer_shape_log_time", "log", None, 0.3, "device",
+       "layer shape time factor", shape=LAYER_GRID),
+    _C("cluster_layer_time", "cluster_layer_log_time", "log", None, 0.3, "cluster",
+       "cluster layer shape time factor", shape=LAYER_GRID),
+    _C("head_shape_time", "head_shape_log_time", "log", None, 1.0, "cluster",
+       "LM head shape time factor", shape=HEAD_GRID),
+)
+# fmt: on
+CONSTANT = {c.name: c for c in CONSTANTS}
+BY_LEAF = {c.leaf: c for c in CONSTANTS}
+
+
+def _logit(p):
+    p = jnp.asarray(p, dtype=float)
+    return jnp.log(p) - jnp.log1p(-p)
+
+
+def _constrained(constant: Constant):
+    """The property returning ``constant``'s constrained value from its raw leaf."""
+    squash = jnp.exp if constant.transform == "log" else jax.nn.sigmoid
+    return property(lambda self: squash(getattr(self, constant.leaf)), doc=constant.label)
+
+
+def _attention_eff(self, flash2):
+    """Attention kernel efficiency: the fused (cuDNN) kernel's ``attn_eff``, or for ``flash2`` =
+    1 FlashAttention-2's, whose odds are ``attn_flash_odds`` times those."""
+    return jax.nn.sigmoid(self.attn_eff_logit + flash2 * self.attn_flash_log_odds)
+
+
+def _make_params():
+    namespace = {c.name: _constrained(c) for c in CONSTANTS}
+    namespace["__annotations__"] = {c.leaf: jax.Array for c in CONSTANTS}
+    namespace["attention_eff"] = _attention_eff
+    namespace["__module__"] = __name__
+    namespace["__doc__"] = _PARAMS_DOC
+    return struct.dataclass(type("Params", (), namespace))
+
+
+_PARAMS_DOC = """Calibratable constants: one raw, unconstrained leaf per entry of ``CONSTANTS``.
+
+    Efficiencies are fractions of a datasheet peak; latencies and overheads are seconds. Each
+    constant's name is a property returning its constrained value (``params.gemm_eff``). Per
+    precision constants follow ``diffcost.specs.PRECISIONS``; ``gemm_shape_log_eff`` holds, per
+    class of ``GEMM_GRID_CLASSES``, a ``GEMM_GRID``-cubed grid over (m, n, k) octaves (all 0:
+    factor 1); ``layer_shape_log_time`` a ``LAYER_GRID`` grid of log time factors over a layer's
+    (tokens, width, tp) octaves, which ``cluster_layer_log_time`` (a cluster's own, same shape)
+    adds to, and ``head_shape_log_time`` a ``HEAD_GRID`` one over the LM head's (tokens,
+    hidden, tp) octaves.
+    """
+
+
+Params = _make_params()
+
+
+def raw_default(constant: Constant, dtype=None) -> jax.Array:
+    """The raw leaf of ``constant`` at its datasheet default."""
+    dtype = jnp.result_type(float) if dtype is None else dtype
+    if constant.is_grid:
+        return jnp.zeros(constant.shape, dtype=dtype)
+    value = constant.default
+    if isinstance(value, dict):
+        value = jnp.array([value[p] for p in PRECISIONS])
+    raw = jnp.log(value) if constant.transform == "log" else _logit(value)
+    return jnp.asarray(raw, dtype=dtype)
 
 
 def default_params(dtype=None) -> Params:
@@ -201,31 +224,4 @@ def default_params(dtype=None) -> Params:
     Leaves are strongly typed: a weakly typed leaf would turn strong after one optimizer step,
     and a jit-compiled step would then compile a second time.
     """
-    d = DEFAULTS
-    dtype = jnp.result_type(float) if dtype is None else dtype
-    f = lambda v: jnp.asarray(v, dtype=dtype)  # noqa: E731
-    return Params(
-        gemm_eff_logit=f(_logit(jnp.array([d["gemm_eff"][p] for p in PRECISIONS]))),
-        gemm_dim_half_log=f(jnp.log(d["gemm_dim_half"])),
-        attn_eff_logit=f(_logit(d["attn_eff"])),
-        attn_flash_log_odds=f(jnp.log(d["attn_flash_odds"])),
-        mem_eff_logit=f(_logit(d["mem_eff"])),
-        kernel_overhead_log_s=f(jnp.log(d["kernel_overhead_s"])),
-        host_op_log_s=f(jnp.log(d["host_op_s"])),
-        host_overlap_logit=f(_logit(d["host_overlap"])),
-        nvlink_eff_logit=f(_logit(d["nvlink_eff"])),
-        nic_eff_logit=f(_logit(d["nic_eff"])),
-        nvlink_latency_log_scale=f(jnp.log(d["nvlink_latency_scale"])),
-        nic_latency_log_scale=f(jnp.log(d["nic_latency_scale"])),
-        half_bw_log_bytes=f(jnp.log(d["half_bw_bytes"])),
-        collective_overhead_log_s=f(jnp.log(d["collective_overhead_s"])),
-        reduce_log_Bps=f(jnp.log(d["reduce_Bps"])),
-        interference_log=f(jnp.log(d["interference"])),
-        optimizer_log_bytes_per_param=f(jnp.log(d["optimizer_bytes_per_param"])),
-        iteration_overhead_log_s=f(jnp.log(d["iteration_overhead_s"])),
-        microbatch_overhead_log_s=f(jnp.log(d["microbatch_overhead_s"])),
-        gemm_shape_log_eff=jnp.zeros((len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3, dtype=dtype),
-        layer_shape_log_time=jnp.zeros(LAYER_GRID, dtype=dtype),
-        cluster_layer_log_time=jnp.zeros(LAYER_GRID, dtype=dtype),
-        head_shape_log_time=jnp.zeros(HEAD_GRID, dtype=dtype),
-    )
+    return Params(**{c.leaf: raw_default(c, dtype) for c in CONSTANTS})

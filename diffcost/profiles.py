@@ -27,6 +27,7 @@ import yaml
 from diffcost import config
 from diffcost.gpus import gpu_family
 from diffcost.params import (
+    CONSTANTS,
     GEMM_GRID,
     GEMM_GRID_CLASSES,
     GEMM_GRID_LOG2_LO,
@@ -42,42 +43,8 @@ from diffcost.specs import PRECISIONS, ClusterSpec
 PROFILES_DIR = config.PACKAGE_CONFIGS / "profiles"
 
 # field name in a profile -> (raw leaf, transform): "log" or "logit"
-FIELDS = {
-    "gemm_eff": ("gemm_eff_logit", "logit"),
-    "gemm_dim_half": ("gemm_dim_half_log", "log"),
-    "attn_eff": ("attn_eff_logit", "logit"),
-    "attn_flash_odds": ("attn_flash_log_odds", "log"),
-    "mem_eff": ("mem_eff_logit", "logit"),
-    "kernel_overhead_s": ("kernel_overhead_log_s", "log"),
-    "host_op_s": ("host_op_log_s", "log"),
-    "host_overlap": ("host_overlap_logit", "logit"),
-    "nvlink_eff": ("nvlink_eff_logit", "logit"),
-    "nic_eff": ("nic_eff_logit", "logit"),
-    "nvlink_latency_scale": ("nvlink_latency_log_scale", "log"),
-    "nic_latency_scale": ("nic_latency_log_scale", "log"),
-    "half_bw_bytes": ("half_bw_log_bytes", "log"),
-    "collective_overhead_s": ("collective_overhead_log_s", "log"),
-    "reduce_Bps": ("reduce_log_Bps", "log"),
-    "interference": ("interference_log", "log"),
-    "optimizer_bytes_per_param": ("optimizer_log_bytes_per_param", "log"),
-    "iteration_overhead_s": ("iteration_overhead_log_s", "log"),
-    "microbatch_overhead_s": ("microbatch_overhead_log_s", "log"),
-    "gemm_shape_eff": ("gemm_shape_log_eff", "log"),
-    "layer_shape_time": ("layer_shape_log_time", "log"),
-    "cluster_layer_time": ("cluster_layer_log_time", "log"),
-    "head_shape_time": ("head_shape_log_time", "log"),
-}
-DEVICE_FIELDS = (
-    "gemm_eff",
-    "gemm_dim_half",
-    "attn_eff",
-    "attn_flash_odds",
-    "mem_eff",
-    "kernel_overhead_s",
-    "reduce_Bps",
-    "gemm_shape_eff",
-    "layer_shape_time",
-)
+FIELDS = {c.name: (c.leaf, c.transform) for c in CONSTANTS}
+DEVICE_FIELDS = tuple(c.name for c in CONSTANTS if c.level == "device")
 CLUSTER_FIELDS = tuple(f for f in FIELDS if f not in DEVICE_FIELDS)
 
 
