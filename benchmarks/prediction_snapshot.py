@@ -52,9 +52,7 @@ def snapshot(data: Path) -> dict:
         if cluster.name not in params_cache:
             params_cache[cluster.name] = params_for(cluster)[0]
         params = params_cache[cluster.name]
-        batch.append(
-            (i, model_arrays(model), plan_arrays(plan), cluster_arrays(cluster), params)
-        )
+        batch.append((i, model_arrays(model), plan_arrays(plan), cluster_arrays(cluster), params))
     out = jax.jit(jax.vmap(simulate))(*(stack([b[k] for b in batch]) for k in range(1, 5)))
     for j, b in enumerate(batch):
         rows[str(b[0])] = _prediction(out, j)
