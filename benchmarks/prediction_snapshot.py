@@ -30,7 +30,9 @@ from diffcost.runs import RowSkipped, read_rows, row_to_specs  # noqa: E402
 from diffcost.simulate import simulate  # noqa: E402
 
 FIELDS = ("iteration_s", "memory_peak_bytes")
-EXAMPLES = Path(__file__).resolve().parent.parent / "configs" / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "configs" / "examples"
+DATA = ROOT.parent / "shared" / "data"
 
 
 def _prediction(out, j=None) -> dict:
@@ -78,7 +80,7 @@ def compare(new: dict, old: dict) -> tuple[float, list[str]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("../shared/data"))
+    ap.add_argument("--data", type=Path, default=DATA, help="default: %(default)s")
     ap.add_argument("--out", type=Path, help="write the snapshot here")
     ap.add_argument("--compare", type=Path, help="an older snapshot to compare with")
     ap.add_argument("--rtol", type=float, default=1e-9)

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 
 from diffcost import config as config_mod
-from diffcost.specs import Attention, ModelSpec, PlanSpec
+from diffcost.specs import Attention, ClusterSpec, ModelSpec, PlanSpec
 
 # Vocabulary of a model family when the source does not give it.  Nemotron-3 and -4 use a
 # 256k SentencePiece vocabulary (NeMo's reported TFLOP/s for its Nemotron runs imply it).
@@ -127,49 +127,54 @@ class RowSkipped(Exception):
     """A row the simulator cannot represent; the message says why."""
 
 
-def row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, object, list[str]]:
-    """(model, plan, cluster, defaults used) for one CSV row, or raise RowSkipped(reason)."""
-    used: list[str] = []
-    name = row.get("model", "")
-    lname = name.lower().replace(" ", "")
-    fw_key = _framework_key(row.get("framework", ""))
-    fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
+def _cell_or(row: dict, key: str, default, note: str, used: list[str]):
+    """The integer in ``row[key]``, or ``default`` (noting ``note`` in ``used``) when blank."""
+    value = _int(row, key)
+    if value is None:
+        used.append(note)
+        return default
+    return value
+
+
+def _cluster(row: dict, cluster_cache: dict) -> ClusterSpec:
+    name = row.get("cluster", "").strip()
+    if name not in cluster_cache:
+        try:
+            cluster_cache[name] = config_mod.load_cluster(name)
+        except config_mod.ConfigError as e:
+            cluster_cache[name] = e
+    cluster = cluster_cache[name]
+    if isinstance(cluster, Exception):
+        raise RowSkipped(f"no cluster preset '{name}'")
+    return cluster
+
+
+def _shape(row: dict) -> dict[str, int]:
     shape = {k: _int(row, k) for k in ("n_layers", "hidden", "heads", "seq_len")}
     missing = [k for k, v in shape.items() if v is None]
     if missing:
         raise RowSkipped(f"architecture not given by the source: {', '.join(missing)}")
-    cname = row.get("cluster", "").strip()
-    if cname not in cluster_cache:
-        try:
-            cluster_cache[cname] = config_mod.load_cluster(cname)
-        except config_mod.ConfigError as e:
-            cluster_cache[cname] = e
-    cluster = cluster_cache[cname]
-    if isinstance(cluster, Exception):
-        raise RowSkipped(f"no cluster preset '{cname}'")
+    return shape
 
-    ffn = _int(row, "ffn_hidden")
-    if ffn is None:
-        ffn = 4 * shape["hidden"]
-        used.append("ffn_hidden=4*hidden")
-    kv = _int(row, "kv_heads")
-    if kv is None:
-        kv = shape["heads"]
-        used.append("kv_heads=heads")
-    vocab = _int(row, "vocab")
-    if vocab is None:
-        vocab = next((v for key, v in VOCAB_DEFAULTS if key in lname), GPT2_VOCAB)
-        used.append(f"vocab={vocab}")
+
+def _model_spec(row: dict, shape: dict, cluster: ClusterSpec, fw: FrameworkDefaults, used):
+    name = row.get("model", "")
+    lname = name.lower().replace(" ", "")
+    ffn = _cell_or(row, "ffn_hidden", 4 * shape["hidden"], "ffn_hidden=4*hidden", used)
+    kv = _cell_or(row, "kv_heads", shape["heads"], "kv_heads=heads", used)
+    vocab = next((v for key, v in VOCAB_DEFAULTS if key in lname), GPT2_VOCAB)
+    vocab = _cell_or(row, "vocab", vocab, f"vocab={vocab}", used)
     precision = row.get("precision", "").strip()
     if not precision:
         precision = "bf16" if "bf16" in cluster.gpu.peak_tflops else "fp16"
         used.append(f"precision={precision}")
     if precision not in cluster.gpu.peak_tflops:
         have = ", ".join(sorted(cluster.gpu.peak_tflops))
-        raise RowSkipped(f"precision {precision} has no peak on {cname} (has: {have})")
+        raise RowSkipped(f"precision {precision} has no peak on {cluster.name} (has: {have})")
     llama = "llama" in lname
     untied = llama or "nemotron" in lname  # Nemotron: separate output matrix, no biases
-    model = ModelSpec(
+    used.append(f"attention={fw.attention}")
+    return ModelSpec(
         name=name,
         n_layers=shape["n_layers"],
         hidden=shape["hidden"],
@@ -185,8 +190,23 @@ def row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, o
         precision=precision,
         attention=fw.attention,
     )
-    used.append(f"attention={fw.attention}")
 
+
+def _recompute(row: dict, model: ModelSpec, fw_key: str | None, used: list[str]) -> str:
+    recompute = row.get("recompute", "").strip()
+    if recompute:
+        return recompute
+    lname = model.name.lower().replace(" ", "")
+    recompute = next(
+        (r for key, fam, r in FAMILY_RECOMPUTE if key == fw_key and lname.startswith(fam)),
+        FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS).recompute,
+    )
+    used.append(f"recompute={recompute}")
+    return recompute
+
+
+def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str]) -> PlanSpec:
+    fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
     tp, pp, cp, ep = (_int(row, k) or 1 for k in ("tp", "pp", "cp", "ep"))
     n_gpus = _int(row, "n_gpus")
     dp = _int(row, "dp") or (n_gpus // (tp * pp * cp) if n_gpus else None)
@@ -201,23 +221,18 @@ def row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, o
     else:
         sp = fw.sequence_parallel and tp > 1
         used.append(f"sequence_parallel={sp}")
-    zero = _int(row, "zero")
-    if zero is None:
-        zero = fw.zero
-        used.append(f"zero={zero}")
-    recompute = row.get("recompute", "").strip()
-    if not recompute:
-        recompute = next(
-            (r for key, fam, r in FAMILY_RECOMPUTE if key == fw_key and lname.startswith(fam)),
-            fw.recompute,
-        )
-        used.append(f"recompute={recompute}")
-    chunks = _int(row, "interleave_chunks")
-    if chunks is None:
-        chunks = 1
-        used.append("interleave_chunks=1")
-    schedule = "interleaved" if chunks > 1 else "1f1b"
-    plan = PlanSpec(
+    zero = _cell_or(row, "zero", fw.zero, f"zero={fw.zero}", used)
+    recompute = _recompute(row, model, fw_key, used)
+    chunks = _cell_or(row, "interleave_chunks", 1, "interleave_chunks=1", used)
+    used.append(f"overlap_dp={fw.overlap_dp}")
+    if not fw.grad_reduce_fp32 and zero < 3:
+        used.append("grad_reduce_fp32=False")
+    if n_micro := gb / (dp * mb):
+        if abs(n_micro - round(n_micro)) > 1e-9:
+            used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
+    if model.n_layers % (pp * chunks):
+        used.append(f"layers per stage={model.n_layers / (pp * chunks):.3g} (uneven split)")
+    return PlanSpec(
         tp=tp,
         pp=pp,
         dp=dp,
@@ -228,21 +243,39 @@ def row_to_specs(row: dict, cluster_cache: dict) -> tuple[ModelSpec, PlanSpec, o
         recompute=recompute,
         microbatch=mb,
         global_batch=gb,
-        schedule=schedule,
+        schedule="interleaved" if chunks > 1 else "1f1b",
         chunks=chunks,
         overlap_dp=fw.overlap_dp,
         overlap_tp=fw.overlap_tp and tp > 1,
         grad_reduce_fp32=fw.grad_reduce_fp32,
     )
-    used.append(f"overlap_dp={fw.overlap_dp}")
-    if not fw.grad_reduce_fp32 and zero < 3:
-        used.append("grad_reduce_fp32=False")
-    if n_micro := gb / (dp * mb):
-        if abs(n_micro - round(n_micro)) > 1e-9:
-            used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
-    if model.n_layers % (pp * chunks):
-        used.append(f"layers per stage={model.n_layers / (pp * chunks):.3g} (uneven split)")
-    problems = config_mod.check_plan(model, cluster, plan, n_gpus=n_gpus, strict=False)
+
+
+def row_to_specs(
+    row: dict, cluster_cache: dict
+) -> tuple[ModelSpec, PlanSpec, ClusterSpec, list[str]]:
+    """The simulator's specs of one end-to-end CSV row.
+
+    Args:
+        row: ``{column: stripped cell}`` as :func:`read_rows` returns it.
+        cluster_cache: preset name -> loaded ``ClusterSpec`` (or the error loading it), shared
+            between the rows of one file.
+
+    Returns:
+        (model, plan, cluster, the defaults filled in for blank cells, in column order).
+
+    Raises:
+        RowSkipped: the row cannot be represented (missing shape, unknown cluster, invalid
+            plan, ...); the message says why.
+    """
+    used: list[str] = []
+    fw_key = _framework_key(row.get("framework", ""))
+    fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
+    shape = _shape(row)
+    cluster = _cluster(row, cluster_cache)
+    model = _model_spec(row, shape, cluster, fw, used)
+    plan = _plan_spec(row, model, fw_key, used)
+    problems = config_mod.check_plan(model, cluster, plan, n_gpus=_int(row, "n_gpus"), strict=False)
     if problems:
         raise RowSkipped("; ".join(problems))
     return model, plan, cluster, used
