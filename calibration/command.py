@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from calibration import fit as fit_mod
-from calibration.readers import Measurements, load
+from calibration.readers import load
+from calibration.records import Measurements
 from diffcost import profiles as prof
 from diffcost.config import load_cluster
 from diffcost.gpus import cluster_family

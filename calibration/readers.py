@@ -3,10 +3,11 @@
 Four formats are read (schemas in ``shared/data/README.md``):
 
 * end-to-end runs (CSV with ``measured_iter_s``) -> :class:`E2ERecord`, through the row
-  conversion of :mod:`diffcost.validate` (same defaults, same skip reasons);
+  conversion of :mod:`diffcost.runs` (same defaults, same skip reasons);
 * collective timings (CSV with ``collective`` and ``time_us``) -> :class:`CollectiveRecord`;
 * raw stdout of nccl-tests (``all_reduce_perf``, ``all_gather_perf``, ``reduce_scatter_perf``,
-  ``alltoall_perf``, ``sendrecv_perf``) -> :class:`CollectiveRecord`;
+  ``alltoall_perf``, ``sendrecv_perf``) -> :class:`CollectiveRecord`
+  (:mod:`calibration.nccl_tests`);
 * GEMM throughput (CSV with ``flops_per_s`` and ``m``, ``n``, ``k``) -> :class:`GemmRecord`.
 
 All values are SI (seconds, bytes). Every record keeps the file and 1-based line it came from
@@ -28,26 +29,30 @@ Collective placement fields (what :func:`diffcost.comm.place` needs):
 from __future__ import annotations
 
 import csv
-import dataclasses
-import math
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
-from diffcost.gpus import family_peak_flops, gpu_family, known_family, preset_family, preset_gpu
-from diffcost.runs import (
-    E2E_COLUMNS,
-    E2E_FLOAT_COLUMNS,
-    E2E_INT_COLUMNS,
-    CsvLineError,
-    RowSkipped,
-    data_rows,
-    number_error,
-    row_to_specs,
+from calibration.nccl_tests import MARKERS_RE, read_nccl_tests
+from calibration.records import (
+    COLLECTIVES,
+    CollectiveRecord,
+    CsvTable,
+    E2ERecord,
+    GemmRecord,
+    Measurements,
+    ReaderError,
+    Source,
+    canonical_collective,
+    check_collectives,
+    dtype_name,
+    open_file,
+    placement,
 )
-from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
+from diffcost.gpus import family_peak_flops, gpu_family
+from diffcost.runs import E2E_COLUMNS, E2E_FLOAT_COLUMNS, E2E_INT_COLUMNS, RowSkipped, row_to_specs
 
 __all__ = [
     "COLLECTIVES",
@@ -63,237 +68,6 @@ __all__ = [
     "read_gemm_csv",
     "read_nccl_tests",
 ]
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-NCCL_TESTS_SOURCE = "nccl-tests"
-
-
-class ReaderError(ValueError):
-    """Malformed input; the message starts with ``file:line:``."""
-
-    def __init__(self, file, line: int | None, message: str):
-        self.file = str(file)
-        self.line = line
-        where = f"{self.file}:{line}" if line is not None else self.file
-        super().__init__(f"{where}: {message}")
-
-
-def _open(path, **kwargs):
-    """``open(path)``; a missing path or a directory is a :class:`ReaderError` naming it."""
-    try:
-        return open(path, **kwargs)
-    except FileNotFoundError:
-        raise ReaderError(path, None, "no such file") from None
-    except IsADirectoryError:
-        raise ReaderError(
-            path, None, "is a directory, not a file (load() reads the files in a directory)"
-        ) from None
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """Where a record comes from: file and 1-based line (the CSV header is line 1)."""
-
-    file: str
-    line: int
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveRecord:
-    """One timed collective: ``time_s`` for a ``size_bytes`` buffer (nccl-tests "size")."""
-
-    collective: str  # one of COLLECTIVES
-    size_bytes: float
-    group_size: int
-    per_node: int  # ranks of one group in one node
-    n_nodes: int  # nodes one group spans
-    n_groups: int  # groups (send/recv: transfers) running at the same time
-    cluster: str | None  # preset name, None if unknown
-    dtype: str  # "fp32", "bf16", "fp16", ...
-    time_s: float
-    source_name: str  # data set: CSV 'source' column, or "nccl-tests"
-    where: Source
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmRecord:
-    """One timed (batched) GEMM: ``batch`` products of (m x k) . (k x n)."""
-
-    gpu: str  # GPU family key ("h100", "b200", "mi350", ...)
-    batch: int
-    m: int
-    n: int
-    k: int
-    precision: str  # "fp32", "bf16", "fp16", "fp8"
-    time_s: float
-    where: Source
-    dtype: str = ""  # element types as the file writes them, e.g. "f8e4m3fnxf8e5m2->bf16"
-    source_name: str = ""  # CSV 'source' column
-
-
-@dataclasses.dataclass(frozen=True)
-class E2ERecord:
-    """One measured training run, as the simulator's specs."""
-
-    model: ModelSpec
-    plan: PlanSpec
-    cluster: ClusterSpec
-    measured_iter_s: float
-    source_name: str
-    row: int  # 1-based data row (line - 1 for files without multi-line cells)
-    defaults: tuple[str, ...]  # values filled in because the source left them out
-    where: Source
-
-
-def _as_set(value) -> set[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return {value}
-    return set(value)
-
-
-@dataclasses.dataclass
-class Measurements:
-    """Records of every kind, plus the rows that could not be represented."""
-
-    e2e: list[E2ERecord] = dataclasses.field(default_factory=list)
-    collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
-    gemms: list[GemmRecord] = dataclasses.field(default_factory=list)
-    skipped: list[tuple[Source, str]] = dataclasses.field(default_factory=list)
-
-    def __add__(self, other: Measurements) -> Measurements:
-        if not isinstance(other, Measurements):
-            return NotImplemented
-        return Measurements(
-            e2e=self.e2e + other.e2e,
-            collectives=self.collectives + other.collectives,
-            gemms=self.gemms + other.gemms,
-            skipped=self.skipped + other.skipped,
-        )
-
-    def __radd__(self, other):  # sum([...]) starts from 0
-        if other == 0:
-            return self
-        return NotImplemented
-
-    def __len__(self) -> int:
-        return len(self.e2e) + len(self.collectives) + len(self.gemms)
-
-    def filter(self, cluster=None, gpu=None, sources=None) -> Measurements:
-        """The records matching every given criterion (each a name or an iterable of names).
-
-        * ``cluster``: preset names. E2E and collective records by their cluster; GEMM records
-          by the GPU family of those presets (GEMMs carry no cluster).
-        * ``gpu``: GPU family keys (``"h100"``; full names are reduced with :func:`gpu_family`).
-          Collective records by the GPU of their cluster preset; records without a cluster, or
-          whose preset cannot be loaded, do not match.
-        * ``sources``: data-set names (``source_name``).
-
-        ``skipped`` is kept whole (it has no such attributes).
-        """
-        clusters = _as_set(cluster)
-        gpus = None if gpu is None else {gpu_family(g) for g in _as_set(gpu)}
-        srcs = _as_set(sources)
-        cluster_gpus = None
-        if clusters is not None:
-            cluster_gpus = {f for f in (preset_family(c) for c in clusters) if f is not None}
-
-        def keep_e2e(r: E2ERecord) -> bool:
-            return (
-                (clusters is None or r.cluster.name in clusters)
-                and (gpus is None or gpu_family(r.cluster.gpu.name) in gpus)
-                and (srcs is None or r.source_name in srcs)
-            )
-
-        def keep_coll(r: CollectiveRecord) -> bool:
-            return (
-                (clusters is None or r.cluster in clusters)
-                and (gpus is None or (r.cluster is not None and preset_family(r.cluster) in gpus))
-                and (srcs is None or r.source_name in srcs)
-            )
-
-        def keep_gemm(r: GemmRecord) -> bool:
-            return (
-                (cluster_gpus is None or r.gpu in cluster_gpus)
-                and (gpus is None or r.gpu in gpus)
-                and (srcs is None or r.source_name in srcs)
-            )
-
-        return Measurements(
-            e2e=[r for r in self.e2e if keep_e2e(r)],
-            collectives=[r for r in self.collectives if keep_coll(r)],
-            gemms=[r for r in self.gemms if keep_gemm(r)],
-            skipped=list(self.skipped),
-        )
-
-    def counts(self) -> dict:
-        """Record counts per kind and skip counts per reason."""
-        return {
-            "e2e": len(self.e2e),
-            "collectives": len(self.collectives),
-            "gemms": len(self.gemms),
-            "skipped": dict(Counter(reason for _, reason in self.skipped).most_common()),
-        }
-
-
-# --------------------------------------------------------------------------------------------
-# CSV helpers
-
-
-class _Csv:
-    """A CSV file read row by row with line numbers, header checks and typed cells."""
-
-    def __init__(self, path, required: Iterable[str], kind: str):
-        self.path = str(path)
-        self.kind = kind
-        self._fh = _open(path, newline="", encoding="utf-8-sig")
-        self._reader = csv.reader(self._fh)
-        try:
-            header = next(self._reader, [])
-            blank = not any(h.strip() for h in header)
-            if blank and not any(any(c.strip() for c in cells) for cells in self._reader):
-                self._fh.close()
-                raise ReaderError(
-                    self.path, None, f"the file is empty (expected a {kind} CSV header)"
-                )
-        except csv.Error as e:
-            self._fh.close()
-            raise ReaderError(self.path, 1, f"not a CSV header: {e}") from None
-        self.header = [h.strip() for h in header]
-        missing = [c for c in required if c not in self.header]
-        if missing:
-            self._fh.close()
-            raise ReaderError(
-                self.path, 1, f"missing required {kind} columns: {', '.join(missing)}"
-            )
-
-    def rows(self) -> Iterator[tuple[int, dict]]:
-        """(first line of the row, {column: stripped cell}) for every non-blank row."""
-        try:
-            for start, cells in data_rows(self._reader, len(self.header)):
-                yield start, {k: v.strip() for k, v in zip(self.header, cells)}
-        except CsvLineError as e:
-            raise ReaderError(self.path, e.line, e.message) from None
-        finally:
-            self._fh.close()
-
-    def number(self, row: dict, line: int, col: str, integer: bool = False):
-        """The cell as float (or int); None when blank or the column is absent."""
-        text = row.get(col, "")
-        if not text:
-            return None
-        if why := number_error(text, integer):
-            raise ReaderError(self.path, line, f"column '{col}': {why}")
-        return int(float(text)) if integer else float(text)
-
 
 # --------------------------------------------------------------------------------------------
 # End-to-end runs
@@ -312,7 +86,7 @@ def read_e2e_csv(path) -> Measurements:
     blank cells, listed in ``E2ERecord.defaults``); rows it cannot represent, and rows without
     a positive ``measured_iter_s``, are in ``skipped``.
     """
-    table = _Csv(path, E2E_REQUIRED, "end-to-end")
+    table = CsvTable(path, E2E_REQUIRED, "end-to-end")
     out = Measurements()
     cluster_cache: dict = {}
     for row_no, (line, row) in enumerate(table.rows(), start=1):
@@ -353,67 +127,6 @@ def read_e2e_csv(path) -> Measurements:
 # Collectives CSV
 
 COLLECTIVES_REQUIRED = ("source", "collective", "size_bytes", "n_gpus", "time_us")
-_COLL_ALIASES = {
-    "allreduce": "all_reduce",
-    "allgather": "all_gather",
-    "reducescatter": "reduce_scatter",
-    "alltoall": "all_to_all",
-    "sendrecv": "send_recv",
-    "permute": "permute",
-    "collectivepermute": "permute",
-    "broadcast": "broadcast",
-}
-
-
-def _canonical_collective(name: str) -> str:
-    key = re.sub(r"[^a-z]", "", name.lower())
-    return _COLL_ALIASES.get(key, name.strip().lower())
-
-
-def _check_collectives(collectives) -> tuple[str, ...]:
-    wanted = tuple(_canonical_collective(c) for c in collectives)
-    bad = [c for c in wanted if c not in COLLECTIVES]
-    if bad:
-        raise ValueError(f"unknown collectives {bad}; known: {', '.join(COLLECTIVES)}")
-    return wanted
-
-
-_DTYPES = {
-    "float": "fp32",
-    "float32": "fp32",
-    "f32": "fp32",
-    "fp32": "fp32",
-    "half": "fp16",
-    "float16": "fp16",
-    "f16": "fp16",
-    "fp16": "fp16",
-    "bfloat16": "bf16",
-    "bf16": "bf16",
-    "double": "fp64",
-    "float64": "fp64",
-    "f64": "fp64",
-    "fp64": "fp64",
-}
-
-
-def _dtype(name: str) -> str:
-    low = name.strip().lower()
-    if re.fullmatch(r"fp?8(e\d+m\d+\w*)?", low):
-        return "fp8"
-    return _DTYPES.get(low, low)
-
-
-def _placement(collective: str, n_ranks: int, group_size: int, per_node_max: int):
-    """(group_size, per_node, n_nodes, n_groups_factor) of one group.
-
-    ``per_node_max``: ranks of the group that share one node. For send/recv the pair crosses
-    nodes as soon as the ring does.
-    """
-    if collective == "send_recv":
-        crosses = per_node_max < group_size
-        return 2, (1 if crosses else 2), (2 if crosses else 1)
-    per_node = max(1, min(group_size, per_node_max))
-    return group_size, per_node, -(-group_size // per_node)
 
 
 def read_collectives_csv(path, collectives=COLLECTIVES) -> Measurements:
@@ -424,8 +137,8 @@ def read_collectives_csv(path, collectives=COLLECTIVES) -> Measurements:
     ``sendrecv_perf``'s ring, see the module docstring). Blank ``gpus_per_node`` is
     ``n_gpus / n_nodes``; blank ``n_nodes`` is ``ceil(n_gpus / gpus_per_node)``.
     """
-    wanted = _check_collectives(collectives)
-    table = _Csv(path, COLLECTIVES_REQUIRED, "collectives")
+    wanted = check_collectives(collectives)
+    table = CsvTable(path, COLLECTIVES_REQUIRED, "collectives")
     out = Measurements()
     for line, row in table.rows():
         where = Source(table.path, line)
@@ -439,7 +152,7 @@ def read_collectives_csv(path, collectives=COLLECTIVES) -> Measurements:
         time_us = num("time_us", False)
         for col in ("algbw_GBps", "busbw_GBps"):
             num(col, False)
-        name = _canonical_collective(row["collective"])
+        name = canonical_collective(row["collective"])
 
         def skip(reason: str):
             out.skipped.append((where, reason))
@@ -464,7 +177,7 @@ def read_collectives_csv(path, collectives=COLLECTIVES) -> Measurements:
             continue
         if name == "send_recv":
             pairs = n_groups if group == 2 and n_groups else n_gpus
-            group_size, per_node, nodes = _placement(name, n_gpus, n_gpus, gpn)
+            group_size, per_node, nodes = placement(name, n_gpus, n_gpus, gpn)
             n_groups = pairs
         else:
             if group is None and n_groups is None:
@@ -475,7 +188,7 @@ def read_collectives_csv(path, collectives=COLLECTIVES) -> Measurements:
             if group < 1 or group * n_groups != n_gpus:
                 skip(f"group_size * n_groups = {group * n_groups} differs from n_gpus = {n_gpus}")
                 continue
-            group_size, per_node, nodes = _placement(name, n_gpus, group, gpn)
+            group_size, per_node, nodes = placement(name, n_gpus, group, gpn)
         out.collectives.append(
             CollectiveRecord(
                 collective=name,
@@ -485,241 +198,13 @@ def read_collectives_csv(path, collectives=COLLECTIVES) -> Measurements:
                 n_nodes=nodes,
                 n_groups=n_groups,
                 cluster=row.get("cluster") or None,
-                dtype=_dtype(row.get("dtype", "")) or "unknown",
+                dtype=dtype_name(row.get("dtype", "")) or "unknown",
                 time_s=time_us * 1e-6,
                 source_name=row["source"],
                 where=where,
             )
         )
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# nccl-tests output
-
-_TEST_NAMES = {
-    "all_reduce": "all_reduce",
-    "all_gather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "alltoall": "all_to_all",
-    "sendrecv": "send_recv",
-    "broadcast": "broadcast",
-    "reduce": "reduce",
-    "gather": "gather",
-    "scatter": "scatter",
-    "hypercube": "hypercube",
-}
-_PERF_RE = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(_TEST_NAMES) + r")_perf(?![A-Za-z0-9])")
-_FILE_RE = re.compile(
-    r"(all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send_?recv)", re.IGNORECASE
-)
-_RANK_RE = re.compile(
-    r"^#\s*Rank\s+(\d+)\s+(?:Group\s+(\d+)\s+)?Pid\s+(\d+)\s+on\s+(\S+)\s+device\s+(\d+)"
-    r"(?:\s+\[[^\]]*\])?\s*(.*)$"  # then the bus id and the GPU name
-)
-_LOG_RE = re.compile(r"NCCL (INFO|WARN)|^NCCL version")
-_MARKERS_RE = re.compile(
-    r"#\s*(Collective test starting|Using devices|nThread\s+\d|Avg bus bandwidth)|out-of-place"
-)
-
-
-def _collective_from_filename(path: str) -> str | None:
-    m = _FILE_RE.search(os.path.basename(path))
-    if not m:
-        return None
-    return _canonical_collective(m.group(1))
-
-
-def read_nccl_tests(path, cluster: str | None = None, gpus_per_node: int | None = None):
-    """Collective timings from the stdout of nccl-tests (one or several result tables).
-
-    The test of each table comes from the last ``..._perf`` named before it (the
-    ``# Collective test starting:`` line or the command line), else from the file name; the
-    GPU count, groups (``Group`` = the split colour) and hosts from the ``#  Rank ...`` lines.
-    The out-of-place time is used. ``gpus_per_node`` overrides the hosts: give it where one
-    NVLink domain spans several hosts (NVL72: 72). ``cluster`` is stored on every record.
-    Data lines where nccl-tests' own check found wrong elements (``#wrong`` > 0, out-of-place
-    or in-place) are skipped with the count; ``N/A`` (check disabled) is accepted.
-
-    Raises:
-        ReaderError: a missing or empty file, no result table, unknown test, missing or
-            contradictory rank lines, a rank's GPU of another family than the GPU of
-            ``cluster``'s preset, or a malformed data line (file, line and text in the
-            message). GPU names of no known family (see :func:`gpu_family`) are not checked.
-    """
-    path = str(path)
-    wanted = COLLECTIVES
-    out = Measurements()
-    with _open(path, encoding="utf-8", errors="replace") as fh:
-        lines = fh.read().splitlines()
-    if not any(line.strip() for line in lines):
-        raise ReaderError(path, None, "the file is empty")
-    cluster_gpu = preset_gpu(cluster) if isinstance(cluster, str) else None
-    cluster_family = None if cluster_gpu is None else known_family(cluster_gpu)
-
-    test: str | None = None  # from the last "..._perf" mention
-    ranks: dict[int, tuple[int, str, str]] = {}  # rank -> (group, host, pid)
-    ranks_line = None
-    table = None  # dict while inside a result table
-    tables = 0
-    for lineno, raw in enumerate(lines, start=1):
-        text = raw.strip()
-        if not text:
-            continue
-        if text.startswith("#"):
-            body = text[1:].strip()
-            m = _PERF_RE.search(text)
-            if m:
-                test = _TEST_NAMES[m.group(1)]
-            if body.startswith("Using devices"):
-                ranks, ranks_line, table = {}, lineno, None
-                continue
-            rm = _RANK_RE.match(text)
-            if rm:
-                rank, group = int(rm.group(1)), int(rm.group(2) or 0)
-                info = (group, rm.group(4), rm.group(3))
-                if rank in ranks and ranks[rank] != info:
-                    raise ReaderError(
-                        path,
-                        lineno,
-                        f"rank {rank} listed twice with different process or host "
-                        "(nccl-tests built without MPI, each process its own job?): "
-                        f"{text!r}",
-                    )
-                ranks[rank] = info
-                log_gpu = rm.group(6).strip()
-                log_family = known_family(log_gpu)
-                if cluster_family and log_family and log_family != cluster_family:
-                    raise ReaderError(
-                        path,
-                        lineno,
-                        f"the log was measured on {log_gpu} ({log_family}) but cluster "
-                        f"{cluster} has {cluster_gpu} GPUs ({cluster_family}); pass the "
-                        "matching --cluster",
-                    )
-                continue
-            tokens = body.split()
-            if tokens[:2] == ["size", "count"] and "time" in tokens:
-                table = _start_table(path, lineno, tokens, test, ranks, ranks_line, gpus_per_node)
-                tables += 1
-                continue
-            if body.startswith("Avg bus bandwidth"):
-                table = None
-            continue
-        if table is None:
-            m = _PERF_RE.search(text)  # a command line outside a table names the test
-            if m:
-                test = _TEST_NAMES[m.group(1)]
-            continue
-        if _LOG_RE.search(text):
-            continue
-        _data_line(path, lineno, text, table, wanted, cluster, out)
-    if not tables:
-        raise ReaderError(
-            path, None, "no nccl-tests result table (a '#  size  count  type ...' header) found"
-        )
-    return out
-
-
-def _start_table(path, lineno, tokens, test, ranks, ranks_line, gpus_per_node) -> dict:
-    name = test or _collective_from_filename(path)
-    if name is None:
-        raise ReaderError(
-            path,
-            lineno,
-            "cannot tell which nccl-tests program wrote this table: no '..._perf' name "
-            'before it ("# Collective test starting: all_reduce_perf" or the command line) '
-            "and none in the file name",
-        )
-    if not ranks:
-        raise ReaderError(
-            path, lineno, "no '#  Rank N Group G Pid P on HOST device D' lines before the table"
-        )
-    n_ranks = len(ranks)
-    if sorted(ranks) != list(range(n_ranks)):
-        raise ReaderError(
-            path, ranks_line, f"rank lines list ranks {sorted(ranks)}, not 0..{n_ranks - 1}"
-        )
-    groups: dict[int, list[str]] = {}
-    for g, host, _pid in ranks.values():
-        groups.setdefault(g, []).append(host)
-    sizes = {len(h) for h in groups.values()}
-    if len(sizes) != 1:
-        raise ReaderError(path, ranks_line, f"groups of unequal size {sorted(sizes)}")
-    group = sizes.pop()
-    if gpus_per_node is not None:
-        per_node_max = min(group, int(gpus_per_node))
-    else:
-        per_node_max = min(max(Counter(h).values()) for h in groups.values())
-    size, per_node, nodes = _placement(name, n_ranks, group, per_node_max)
-    return {
-        "collective": name,
-        "lead": tokens.index("time"),
-        "group_size": size,
-        "per_node": per_node,
-        "n_nodes": nodes,
-        "n_groups": n_ranks if name == "send_recv" else len(groups),
-        # nccl-tests' correctness counts: the out-of-place one, then the in-place one (older
-        # layouts print an "error" column, a maximum error rather than a count: not checked)
-        "wrong": [i for i, t in enumerate(tokens) if t == "#wrong"][:2],
-    }
-
-
-def _data_line(path, lineno, text, table, wanted, cluster, out: Measurements) -> None:
-    tokens = text.split()
-    lead = table["lead"]
-
-    def bad(why: str):
-        raise ReaderError(path, lineno, f"malformed nccl-tests data line ({why}): {text!r}")
-
-    if len(tokens) < lead + 4:
-        bad(f"{len(tokens)} fields, expected at least {lead + 4}")
-    try:
-        size, count = int(tokens[0]), int(tokens[1])
-    except ValueError:
-        bad("size and count must be integers")
-    try:
-        time_us, algbw, busbw = (float(t) for t in tokens[lead : lead + 3])
-    except ValueError:
-        bad("time, algbw and busbw must be numbers")
-    if not all(math.isfinite(v) for v in (time_us, algbw, busbw)) or size < 0 or count < 0:
-        bad("negative or non-finite value")
-    where = Source(path, lineno)
-    name = table["collective"]
-    if name not in wanted:
-        out.skipped.append((where, f"nccl-tests {name} not read (reading: {', '.join(wanted)})"))
-        return
-    wrong = []
-    for i, label in zip(table["wrong"], ("out-of-place", "in-place")):
-        cell = tokens[i] if i < len(tokens) else "N/A"
-        try:
-            n_wrong = float(cell)
-        except ValueError:
-            continue  # "N/A": nccl-tests ran without its check (-c 0)
-        if n_wrong > 0:
-            count = int(n_wrong) if n_wrong.is_integer() else n_wrong
-            wrong.append(f"{count} wrong elements ({label})")
-    if wrong:
-        out.skipped.append((where, f"nccl-tests reported {' and '.join(wrong)}"))
-        return
-    if size == 0 or time_us <= 0:
-        out.skipped.append((where, "zero size or time"))
-        return
-    out.collectives.append(
-        CollectiveRecord(
-            collective=name,
-            size_bytes=float(size),
-            group_size=table["group_size"],
-            per_node=table["per_node"],
-            n_nodes=table["n_nodes"],
-            n_groups=table["n_groups"],
-            cluster=cluster,
-            dtype=_dtype(tokens[2]),
-            time_s=time_us * 1e-6,
-            source_name=NCCL_TESTS_SOURCE,
-            where=where,
-        )
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -782,7 +267,7 @@ def read_gemm_csv(path) -> Measurements:
     the efficiency up (on the largest shapes the H100 FP8 tables run a median 2.7x faster than
     the bf16 table, where the peaks allow 2x).
     """
-    table = _Csv(path, GEMM_REQUIRED, "GEMM")
+    table = CsvTable(path, GEMM_REQUIRED, "GEMM")
     out = Measurements()
     kept: list[GemmRecord] = []
     over: Counter = Counter()
@@ -864,7 +349,7 @@ _SUFFIXES = (".csv", ".txt", ".log")
 def detect_kind(path) -> str:
     """``"e2e"``, ``"collectives"``, ``"gemm"`` or ``"nccl-tests"``; ReaderError otherwise."""
     path = str(path)
-    with _open(path, encoding="utf-8-sig", errors="replace") as fh:
+    with open_file(path, encoding="utf-8-sig", errors="replace") as fh:
         text = fh.read()
     if not text.strip():
         raise ReaderError(path, None, "the file is empty")
@@ -879,7 +364,7 @@ def detect_kind(path) -> str:
         return "collectives"
     if {"flops_per_s", "m", "n", "k"} <= cols:
         return "gemm"
-    if _MARKERS_RE.search(text):
+    if MARKERS_RE.search(text):
         return "nccl-tests"
     raise ReaderError(path, 1, f"unknown file format; accepted: {ACCEPTED_FORMATS}")
 

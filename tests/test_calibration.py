@@ -9,7 +9,7 @@ import pytest
 
 from calibration import fit as fit_mod
 from calibration.command import moved as calibrate_moved
-from calibration.readers import CollectiveRecord, GemmRecord, Measurements, Source
+from calibration.records import CollectiveRecord, GemmRecord, Measurements, Source
 from diffcost import kernels
 from diffcost import profiles as prof
 from diffcost.arrays import cluster_arrays
