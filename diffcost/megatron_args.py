@@ -66,47 +66,62 @@ def parse_megatron_args(
         ValueError: a required flag is missing, a value is malformed, or the GPU count is not
             divisible by ``tp * pp * cp``.
     """
-    tokens = shlex.split(text)
-    values: dict[str, str] = {}
-    switches: set[str] = set()
-    ignored: list[str] = []
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        flag, eq, inline = tok.partition("=")
-        if flag in _VALUE_FLAGS:
-            if eq:
-                values[_VALUE_FLAGS[flag]] = inline
-            elif i + 1 < len(tokens):
-                values[_VALUE_FLAGS[flag]] = tokens[i + 1]
-                i += 1
-            else:
-                raise ValueError(f"{flag} needs a value")
-        elif flag in _SWITCH_FLAGS:
-            switches.add(_SWITCH_FLAGS[flag])
-        elif tok.startswith("--"):
-            ignored.append(tok)
-        i += 1
+    flags = _Flags.parse(text)
+    model = _model(flags, name)
+    return model, _plan(flags, model, n_gpus), flags.ignored
 
-    def num(key, default=None, cast=int):
-        if key not in values:
+
+class _Flags:
+    """The flags of one argument string: values by key, switches, and flags not understood."""
+
+    def __init__(self, values: dict[str, str], switches: set[str], ignored: list[str]):
+        self.values, self.switches, self.ignored = values, switches, ignored
+
+    @classmethod
+    def parse(cls, text: str) -> _Flags:
+        tokens = shlex.split(text)
+        flags = cls({}, set(), [])
+        i = 0
+        while i < len(tokens):
+            tok = tokens[i]
+            flag, eq, inline = tok.partition("=")
+            if flag in _VALUE_FLAGS:
+                if eq:
+                    flags.values[_VALUE_FLAGS[flag]] = inline
+                elif i + 1 < len(tokens):
+                    flags.values[_VALUE_FLAGS[flag]] = tokens[i + 1]
+                    i += 1
+                else:
+                    raise ValueError(f"{flag} needs a value")
+            elif flag in _SWITCH_FLAGS:
+                flags.switches.add(_SWITCH_FLAGS[flag])
+            elif tok.startswith("--"):
+                flags.ignored.append(tok)
+            i += 1
+        return flags
+
+    def num(self, key: str, default=None, cast=int):
+        """The number given for ``key``, else ``default`` (None: the flag is required)."""
+        if key not in self.values:
             if default is None:
                 flag = next(f for f, k in _VALUE_FLAGS.items() if k == key)
                 raise ValueError(f"missing {flag}: needed to describe the model")
             return default
         try:
-            return cast(values[key])
+            return cast(self.values[key])
         except ValueError:
             flag = next(f for f, k in _VALUE_FLAGS.items() if k == key)
-            raise ValueError(f"{flag} {values[key]!r} is not a number") from None
+            raise ValueError(f"{flag} {self.values[key]!r} is not a number") from None
 
+
+def _model(flags: _Flags, name: str) -> ModelSpec:
+    num, switches, values = flags.num, flags.switches, flags.values
     n_layers, hidden, heads = num("n_layers"), num("hidden"), num("heads")
     swiglu = "swiglu" in switches
     kv = num("kv_heads", heads) if "gqa" in switches or "kv_heads" in values else heads
     ffn_default = int(8 * hidden / 3 / 64 + 0.999) * 64 if swiglu else 4 * hidden
-    precision = "fp8" if "fp8" in values else ("fp16" if "fp16" in switches else "bf16")
     experts = num("experts", 1)
-    model = ModelSpec(
+    return ModelSpec(
         name=name,
         n_layers=n_layers,
         hidden=hidden,
@@ -119,13 +134,17 @@ def parse_megatron_args(
         norm="rmsnorm" if values.get("norm", "").lower() == "rmsnorm" else "layernorm",
         tied_embeddings="untied" not in switches,
         bias="no_bias" not in switches,
-        precision=precision,
+        precision="fp8" if "fp8" in values else ("fp16" if "fp16" in switches else "bf16"),
         moe=MoeSpec(experts, num("top_k", 2), num("capacity_factor", 1.0, float))
         if experts > 1
         else None,
         # Megatron-Core runs TE's cuDNN attention unless told to use the flash-attn package.
         attention="flash" if "flash" in switches else "cudnn",
     )
+
+
+def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
+    num, switches, values = flags.num, flags.switches, flags.values
     tp, pp, cp, ep = num("tp", 1), num("pp", 1), num("cp", 1), num("ep", 1)
     if n_gpus % (tp * pp * cp):
         raise ValueError(
@@ -134,7 +153,7 @@ def parse_megatron_args(
     chunks = num("chunks", 1)
     if "layers_per_virtual_stage" in values:
         per = num("layers_per_virtual_stage")
-        chunks = max(1, n_layers // (pp * per))
+        chunks = max(1, model.n_layers // (pp * per))
     recompute = values.get(
         "recompute", "selective" if "recompute_selective" in switches else "none"
     )
@@ -142,7 +161,7 @@ def parse_megatron_args(
         raise ValueError(f"--recompute-granularity {recompute!r}: expected full or selective")
     mb = num("microbatch", 1)
     dp = n_gpus // (tp * pp * cp)
-    plan = PlanSpec(
+    return PlanSpec(
         tp=tp,
         pp=pp,
         dp=dp,
@@ -159,7 +178,6 @@ def parse_megatron_args(
         overlap_tp="overlap_tp" in switches,
         # Megatron accumulates and reduces gradients in fp32 with --bf16 (it forces
         # --accumulate-allreduce-grads-in-fp32), in fp16 with --fp16 unless asked for fp32.
-        grad_reduce_fp32=(precision != "fp16" or "fp32_grads" in switches)
+        grad_reduce_fp32=(model.precision != "fp16" or "fp32_grads" in switches)
         and "bf16_grads" not in switches,
     )
-    return model, plan, ignored
