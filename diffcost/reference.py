@@ -156,197 +156,204 @@ def simulate_reference(
 
     Returns:
         A ``ReferenceResult``.
+
+    Raises:
+        ValueError: fewer than one stage, microbatch or chunk, or an unknown ``dp_buckets``.
+        RuntimeError: the schedule deadlocks (a task's dependencies never arrive).
     """
-    f = lambda x: np.asarray(x, dtype=float)  # noqa: E731
-    fwd, bwd = f(st.fwd_s), f(st.bwd_s)
-    bucket, layer_bwd, after = f(st.dp_bucket_s), f(st.layer_bwd_s), f(st.dp_after_s)
-    p2p = float(f(st.p2p_s))
-    p = int(round(float(f(st.n_stages))))
-    m = int(round(float(f(st.n_microbatches))))
-    n_buckets = int(round(float(f(st.dp_layers))))
-    overlap = float(f(st.overlap_dp)) >= 0.5
-    schedule = schedule or schedule_name(st)
-    v = int(round(float(f(st.chunks)))) if schedule == "interleaved" else 1
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"need stages, microbatches and chunks >= 1, got {p}, {m}, {v}")
-    if dp_buckets not in ("final_task", "per_chunk"):
-        raise ValueError(f"unknown dp_buckets {dp_buckets!r}")
-    n_virtual = p * v
+    run = _Run(st, schedule or schedule_name(st), record, dp_buckets)
+    run.until_idle()
+    p = run.p
+    if any(run.nxt[s] < len(run.orders[s]) for s in range(p)) or not all(run.dp_after_started):
+        raise RuntimeError(f"deadlock: schedule {run.schedule!r} stopped at positions {run.nxt}")
+    stage_end = [max(run.compute_end[s], run.dp_end[s]) for s in range(p)]
+    pipeline = max(run.compute_end)
+    finish = max(stage_end)
+    extra = float(np.asarray(st.optimizer_s)) + float(np.asarray(st.overhead_s))
+    return ReferenceResult(
+        iteration_s=finish + extra,
+        pipeline_s=pipeline,
+        dp_tail_s=finish - pipeline,
+        compute_end_s=run.compute_end,
+        stage_end_s=stage_end,
+        events=run.events,
+    )
 
-    def kind(s):  # index into the [3] arrays; a single stage is "first" (it holds the head)
-        return 0 if s == 0 else (2 if s == p - 1 else 1)
 
-    orders = [stage_order(schedule, s, p, m, v) for s in range(p)]
-    # emit[s]: {position in the order: buckets} for the backwards whose gradients are synced:
-    # the stage's final task, or (per_chunk) the last backward of each chunk.
+def _bucket_emitters(orders, schedule, dp_buckets, overlap, n_buckets, v) -> list[dict]:
+    """Per stage, {position in the order: buckets} of the backwards whose gradients are synced:
+    the stage's final task, or (per_chunk, interleaved with overlap) each chunk's last one."""
     emit = [{len(order) - 1: n_buckets} for order in orders]
     if schedule == "interleaved" and dp_buckets == "per_chunk" and overlap:
         for s, order in enumerate(orders):
             last = {c: pos for pos, (kd, _, c) in enumerate(order) if kd == "B"}
             emit[s] = {last[c]: n_buckets // v + (c < n_buckets % v) for c in range(v)}
+    return emit
 
-    # pending[(F|B, i, j)]: dependencies not yet arrived for microbatch i, virtual stage j.
-    pending = {}
-    for i in range(m):
-        for j in range(n_virtual):
-            pending[("F", i, j)] = int(j > 0)
-            pending[("B", i, j)] = 1 + int(j < n_virtual - 1)
 
-    events = [] if record else None
-    heap: list = []
-    seq = itertools.count()
-    links = _Links()
-    now = 0.0
-    nxt = [0] * p  # next position in each stage's order
-    busy = [False] * p
-    compute_end = [0.0] * p
-    dp_end = [0.0] * p
-    dp_queue = [0] * p  # ready buckets waiting on the DP stream
-    dp_busy = [False] * p
-    dp_total = [sum(e.values()) for e in emit]
-    dp_left = list(dp_total)  # buckets not yet synced
-    dp_after_started = [False] * p
-    dirty = set(range(p))
+class _Run:
+    """The state of one unrolled iteration: compute and DP streams per stage, links, events."""
 
-    def at(t, fn):
-        heapq.heappush(heap, (t, next(seq), fn))
+    def __init__(self, st, schedule: str, record: bool, dp_buckets: str):
+        f = lambda x: np.asarray(x, dtype=float)  # noqa: E731
+        self.fwd, self.bwd = f(st.fwd_s), f(st.bwd_s)
+        self.bucket, self.layer_bwd, self.after = (
+            f(st.dp_bucket_s),
+            f(st.layer_bwd_s),
+            f(st.dp_after_s),
+        )
+        self.p2p = float(f(st.p2p_s))
+        p = self.p = int(round(float(f(st.n_stages))))
+        m = int(round(float(f(st.n_microbatches))))
+        n_buckets = int(round(float(f(st.dp_layers))))
+        self.overlap = float(f(st.overlap_dp)) >= 0.5
+        self.schedule = schedule
+        v = self.v = int(round(float(f(st.chunks)))) if schedule == "interleaved" else 1
+        if p < 1 or m < 1 or v < 1:
+            raise ValueError(f"need stages, microbatches and chunks >= 1, got {p}, {m}, {v}")
+        if dp_buckets not in ("final_task", "per_chunk"):
+            raise ValueError(f"unknown dp_buckets {dp_buckets!r}")
+        self.n_virtual = p * v
+        self.orders = [stage_order(schedule, s, p, m, v) for s in range(p)]
+        self.emit = _bucket_emitters(self.orders, schedule, dp_buckets, self.overlap, n_buckets, v)
+        # pending[(F|B, i, j)]: dependencies not yet arrived for microbatch i, virtual stage j.
+        self.pending = {}
+        for i in range(m):
+            for j in range(self.n_virtual):
+                self.pending[("F", i, j)] = int(j > 0)
+                self.pending[("B", i, j)] = 1 + int(j < self.n_virtual - 1)
+        self.events = [] if record else None
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.links = _Links()
+        self.now = 0.0
+        self.nxt = [0] * p  # next position in each stage's order
+        self.busy = [False] * p
+        self.compute_end = [0.0] * p
+        self.dp_end = [0.0] * p
+        self.dp_queue = [0] * p  # ready buckets waiting on the DP stream
+        self.dp_busy = [False] * p
+        self.dp_total = [sum(e.values()) for e in self.emit]
+        self.dp_left = list(self.dp_total)  # buckets not yet synced
+        self.dp_after_started = [False] * p
+        self.dirty = set(range(p))
 
-    def arrive(key):
-        pending[key] -= 1
-        dirty.add(key[2] % p)
+    def kind(self, s: int) -> int:
+        """Index into the [3] arrays; a single stage is "first" (it holds the head)."""
+        return 0 if s == 0 else (2 if s == self.p - 1 else 1)
 
-    def transfer(link, work, track, name, on_done):
-        t0 = now
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), fn))
+
+    def arrive(self, key) -> None:
+        self.pending[key] -= 1
+        self.dirty.add(key[2] % self.p)
+
+    def transfer(self, link: str, work: float, track: str, name: str, on_done) -> None:
+        t0 = self.now
 
         def done():
-            if record:
-                events.append((track, name, t0, now - t0))
+            if self.events is not None:
+                self.events.append((track, name, t0, self.now - t0))
             on_done()
 
         if work <= 0.0:
             done()
         else:
-            links.start(link, work, done)
+            self.links.start(link, work, done)
 
-    def finish_task(s, pos, kd, i, j, t0):
-        busy[s] = False
-        compute_end[s] = now
-        dirty.add(s)
-        if record:
-            c = j // p
-            events.append(
-                (f"stage {s}/compute", f"{kd}{i}" + (f".c{c}" if v > 1 else ""), t0, now - t0)
-            )
+    def send(self, s: int, key, link: str, label: str) -> None:
+        """The activation (gradient) for ``key`` leaves stage ``s``: local or over ``link``."""
+        dst = key[2] % self.p
+        if dst == s:
+            self.arrive(key)
+        else:
+            track = f"stage {s}/p2p send"
+            self.transfer(link, self.p2p, track, f"{label} -> {dst}", lambda: self.arrive(key))
+
+    def finish_task(self, s: int, pos: int, kd: str, i: int, j: int, t0: float) -> None:
+        self.busy[s] = False
+        self.compute_end[s] = self.now
+        self.dirty.add(s)
+        if self.events is not None:
+            chunk = f".c{j // self.p}" if self.v > 1 else ""
+            self.events.append((f"stage {s}/compute", f"{kd}{i}{chunk}", t0, self.now - t0))
         if kd == "F":
-            arrive(("B", i, j))
-            if j + 1 < n_virtual:
-                dst = (j + 1) % p
-                if dst == s:
-                    arrive(("F", i, j + 1))
-                else:
-                    transfer(
-                        f"{s}->{dst}",
-                        p2p,
-                        f"stage {s}/p2p send",
-                        f"F{i} -> {dst}",
-                        lambda: arrive(("F", i, j + 1)),
-                    )
+            self.arrive(("B", i, j))
+            if j + 1 < self.n_virtual:
+                self.send(s, ("F", i, j + 1), f"{s}->{(j + 1) % self.p}", f"F{i}")
         elif j > 0:
-            dst = (j - 1) % p
-            if dst == s:
-                arrive(("B", i, j - 1))
-            else:
-                transfer(
-                    f"nic {s}",
-                    p2p,
-                    f"stage {s}/p2p send",
-                    f"B{i} -> {dst}",
-                    lambda: arrive(("B", i, j - 1)),
-                )
-        if not overlap:  # every bucket is ready when the backward ends
-            dp_queue[s] += emit[s].get(pos, 0)
+            self.send(s, ("B", i, j - 1), f"nic {s}", f"B{i}")
+        if not self.overlap:  # every bucket is ready when the backward ends
+            self.dp_queue[s] += self.emit[s].get(pos, 0)
 
-    def bucket_ready(s):
-        dp_queue[s] += 1
-        dirty.add(s)
+    def bucket_ready(self, s: int) -> None:
+        self.dp_queue[s] += 1
+        self.dirty.add(s)
 
-    def dp_done(s, is_bucket):
-        dp_busy[s] = False
-        dp_end[s] = now
+    def dp_done(self, s: int, is_bucket: bool) -> None:
+        self.dp_busy[s] = False
+        self.dp_end[s] = self.now
         if is_bucket:
-            dp_left[s] -= 1
-        dirty.add(s)
+            self.dp_left[s] -= 1
+        self.dirty.add(s)
 
-    def try_start(s):
-        # compute stream
-        if not busy[s] and nxt[s] < len(orders[s]):
-            kd, i, c = orders[s][nxt[s]]
-            j = c * p + s
-            if pending[(kd, i, j)] == 0:
-                busy[s] = True
-                nxt[s] += 1
-                k = kind(s)
-                dur = (fwd[k] if kd == "F" else bwd[k]) / v
-                t0, pos = now, nxt[s] - 1
-                at(now + dur, lambda: finish_task(s, pos, kd, i, j, t0))
-                if overlap:  # one bucket per layer, at the layer cadence from the start
-                    for b in range(1, emit[s].get(pos, 0) + 1):
-                        at(now + b * layer_bwd[k], lambda: bucket_ready(s))
-        # DP stream: buckets FIFO, then the non-overlappable sync after compute has ended
-        if not dp_busy[s]:
-            k = kind(s)
-            if dp_queue[s]:
-                dp_queue[s] -= 1
-                dp_busy[s] = True
-                n = dp_total[s] - dp_left[s] + 1
-                transfer(
-                    f"nic {s}",
-                    bucket[k],
-                    f"stage {s}/dp sync",
-                    f"bucket {n}",
-                    lambda: dp_done(s, True),
-                )
-            elif (
-                dp_left[s] == 0
-                and nxt[s] == len(orders[s])
-                and not busy[s]
-                and not dp_after_started[s]
-            ):
-                dp_after_started[s] = True
-                dp_busy[s] = True
-                dp_end[s] = max(dp_end[s], now)
-                transfer(
-                    f"nic {s}",
-                    after[k],
-                    f"stage {s}/dp sync",
-                    "dp after",
-                    lambda: dp_done(s, False),
-                )
+    def start_compute(self, s: int) -> None:
+        """Start stage ``s``'s next task when the stream is free and its inputs have arrived."""
+        if self.busy[s] or self.nxt[s] >= len(self.orders[s]):
+            return
+        kd, i, c = self.orders[s][self.nxt[s]]
+        j = c * self.p + s
+        if self.pending[(kd, i, j)]:
+            return
+        self.busy[s] = True
+        self.nxt[s] += 1
+        k = self.kind(s)
+        dur = (self.fwd[k] if kd == "F" else self.bwd[k]) / self.v
+        t0, pos, now = self.now, self.nxt[s] - 1, self.now
+        self.at(now + dur, lambda: self.finish_task(s, pos, kd, i, j, t0))
+        if self.overlap:  # one bucket per layer, at the layer cadence from the start
+            for b in range(1, self.emit[s].get(pos, 0) + 1):
+                self.at(now + b * self.layer_bwd[k], lambda: self.bucket_ready(s))
 
-    while True:
-        while dirty:
-            try_start(dirty.pop())
-        t = min(heap[0][0] if heap else math.inf, links.next_time(now))
-        if t == math.inf:
-            break
-        callbacks = links.advance(t - now, _CLOCK_RESOLUTION * max(1.0, abs(t)))
-        now = t
-        for cb in callbacks:
-            cb()
-        while heap and heap[0][0] <= now:
-            heapq.heappop(heap)[2]()
+    def start_dp(self, s: int) -> None:
+        """DP stream: buckets FIFO, then the non-overlappable sync after compute has ended."""
+        if self.dp_busy[s]:
+            return
+        k, track = self.kind(s), f"stage {s}/dp sync"
+        if self.dp_queue[s]:
+            self.dp_queue[s] -= 1
+            self.dp_busy[s] = True
+            n = self.dp_total[s] - self.dp_left[s] + 1
+            self.transfer(
+                f"nic {s}", self.bucket[k], track, f"bucket {n}", lambda: self.dp_done(s, True)
+            )
+        elif (
+            self.dp_left[s] == 0
+            and self.nxt[s] == len(self.orders[s])
+            and not self.busy[s]
+            and not self.dp_after_started[s]
+        ):
+            self.dp_after_started[s] = True
+            self.dp_busy[s] = True
+            self.dp_end[s] = max(self.dp_end[s], self.now)
+            self.transfer(
+                f"nic {s}", self.after[k], track, "dp after", lambda: self.dp_done(s, False)
+            )
 
-    if any(nxt[s] < len(orders[s]) for s in range(p)) or any(not d for d in dp_after_started):
-        raise RuntimeError(f"deadlock: schedule {schedule!r} stopped at positions {nxt}")
-    stage_end = [max(compute_end[s], dp_end[s]) for s in range(p)]
-    pipeline = max(compute_end)
-    finish = max(stage_end)
-    extra = float(f(st.optimizer_s)) + float(f(st.overhead_s))
-    return ReferenceResult(
-        iteration_s=finish + extra,
-        pipeline_s=pipeline,
-        dp_tail_s=finish - pipeline,
-        compute_end_s=compute_end,
-        stage_end_s=stage_end,
-        events=events,
-    )
+    def until_idle(self) -> None:
+        """Advance events and link transfers until nothing is left to run."""
+        while True:
+            while self.dirty:
+                s = self.dirty.pop()
+                self.start_compute(s)
+                self.start_dp(s)
+            t = min(self.heap[0][0] if self.heap else math.inf, self.links.next_time(self.now))
+            if t == math.inf:
+                return
+            callbacks = self.links.advance(t - self.now, _CLOCK_RESOLUTION * max(1.0, abs(t)))
+            self.now = t
+            for cb in callbacks:
+                cb()
+            while self.heap and self.heap[0][0] <= self.now:
+                heapq.heappop(self.heap)[2]()
