@@ -47,7 +47,7 @@ from diffcost.specs import (
     MoeSpec,
     PlanSpec,
 )
-from diffcost.topology import RING_TABLE
+from diffcost.topology import INTRA_NODE
 
 __all__ = [
     "ConfigError",
@@ -624,17 +624,13 @@ def _cluster_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") ->
         return _build(GpuSpec, value, where, path + ".", {"peak_tflops": peaks})
 
     cluster = _build(ClusterSpec, tree, where, prefix, {"gpu": gpu})
-    if cluster.intra_node == "cube-mesh" and cluster.gpus_per_node != 8:
+    topology = INTRA_NODE.get(
+        _check_choice(cluster.intra_node, tuple(INTRA_NODE), where, f"{prefix}intra_node")
+    )
+    if why := topology.node_error_fn(cluster.gpus_per_node):
         raise ConfigError(
             f"{where}: {prefix}gpus_per_node={cluster.gpus_per_node} does not fit "
-            f"{prefix}intra_node='cube-mesh': DGX-1's hybrid cube-mesh has 8 GPUs; "
-            "use intra_node: mesh or switch for other nodes"
-        )
-    if cluster.intra_node == "mesh" and cluster.gpus_per_node > RING_TABLE - 1:
-        raise ConfigError(
-            f"{where}: {prefix}gpus_per_node={cluster.gpus_per_node} is too many for "
-            f"{prefix}intra_node='mesh': expected at most {RING_TABLE - 1} GPUs on one "
-            "point-to-point mesh (use intra_node: switch)"
+            f"{prefix}intra_node={cluster.intra_node!r}: {why}"
         )
     return cluster
 

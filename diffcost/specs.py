@@ -15,7 +15,6 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Mlp = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
-IntraNode = Literal["switch", "mesh", "cube-mesh"]  # NVLink topology inside a node
 # Attention core: "unfused" writes the s x s scores to HBM (Megatron's softmax path); "flash" is
 # FlashAttention-2 (flash-attn, PyTorch SDPA); "cudnn" is cuDNN fused attention (Transformer
 # Engine, Megatron-Core's default), the Hopper-tuned kind that FlashAttention-3 also belongs to.
@@ -96,7 +95,7 @@ class ClusterSpec:
     # "mesh": one point-to-point link to each peer (AMD Infinity Fabric), so a group of k GPUs
     # in a node uses (k - 1) / (gpus_per_node - 1) of it; "cube-mesh": DGX-1's hybrid
     # cube-mesh of 8 V100 (see ``diffcost.topology``).
-    intra_node: IntraNode = "switch"
+    intra_node: str = "switch"  # NVLink topology: a name in diffcost.topology.INTRA_NODE
     description: str = ""
 
 

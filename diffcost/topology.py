@@ -18,6 +18,10 @@ The table has one entry per group size ``0 .. RING_TABLE - 1``; the cost model i
 piecewise linearly (exact at whole group sizes, smooth in between) and a group larger than the
 table takes its last entry.
 
+Each node topology is one registered :class:`IntraNodeTopology` (``INTRA_NODE``): its ring
+share table and the node sizes it admits. Adding one is one ``register`` call in this file;
+``ClusterSpec.intra_node`` is checked against the registry when a cluster is loaded.
+
 References:
     NVIDIA, "DGX-1 System Architecture" white paper (2017), the hybrid cube-mesh;
     NCCL's topology search (rings over NVLink, PATH_NVB relays).
@@ -25,16 +29,14 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-import typing
+from collections.abc import Callable
 
 import numpy as np
 
-from diffcost.specs import IntraNode
-
 RING_TABLE = 17  # group sizes 0..16 inside one node
-TOPOLOGIES = typing.get_args(IntraNode)
 
 # NVLink connections between the GPUs of a DGX-1 with V100 (``nvidia-smi topo -m``: NV1/NV2):
 # two fully connected quads (0-3, 4-7: cube faces with their diagonals) joined GPU i to i + 4.
@@ -107,17 +109,75 @@ def _cube_mesh_share() -> tuple[float, ...]:
     return tuple(ring_links(DGX1_LINKS) / DGX1_LINKS.sum(axis=1).max())
 
 
+@dataclasses.dataclass(frozen=True)
+class IntraNodeTopology:
+    """One NVLink topology inside a node.
+
+    Attributes:
+        name: the ``intra_node`` value that selects it.
+        ring_share_fn: ``gpus_per_node -> [RING_TABLE]`` share of a GPU's NVLink bandwidth a
+            ring over ``n`` GPUs uses, n = 0..RING_TABLE - 1.
+        node_error_fn: ``gpus_per_node -> None``, or why that many GPUs cannot form this
+            topology (said to the user when a cluster is loaded).
+    """
+
+    name: str
+    ring_share_fn: Callable[[int], np.ndarray]
+    node_error_fn: Callable[[int], str | None] = lambda gpus_per_node: None
+
+
+INTRA_NODE: dict[str, IntraNodeTopology] = {}
+
+
+def register(topology: IntraNodeTopology) -> IntraNodeTopology:
+    """Add ``topology`` to ``INTRA_NODE`` under its name."""
+    INTRA_NODE[topology.name] = topology
+    return topology
+
+
+def _mesh_share(gpus_per_node: int) -> np.ndarray:
+    n = np.arange(RING_TABLE, dtype=float)
+    peers = max(gpus_per_node - 1, 1)
+    return np.clip(np.maximum(n - 1.0, 1.0) / peers, 0.0, 1.0)
+
+
+def _cube_mesh_table(gpus_per_node: int) -> np.ndarray:
+    share = np.array(_cube_mesh_share())
+    out = np.full(RING_TABLE, share[-1])
+    out[: len(share)] = share
+    return out
+
+
+register(IntraNodeTopology("switch", lambda gpus_per_node: np.ones(RING_TABLE)))
+register(
+    IntraNodeTopology(
+        "mesh",
+        _mesh_share,
+        lambda g: (
+            None
+            if g <= RING_TABLE - 1
+            else f"expected at most {RING_TABLE - 1} GPUs on one point-to-point mesh "
+            "(use intra_node: switch)"
+        ),
+    )
+)
+register(
+    IntraNodeTopology(
+        "cube-mesh",
+        _cube_mesh_table,
+        lambda g: (
+            None
+            if g == 8
+            else "DGX-1's hybrid cube-mesh has 8 GPUs; use intra_node: mesh or switch for other "
+            "nodes"
+        ),
+    )
+)
+TOPOLOGIES = tuple(INTRA_NODE)
+
+
 def ring_share(intra_node: str, gpus_per_node: int) -> np.ndarray:
     """Fraction of a GPU's NVLink bandwidth a ring over ``n`` GPUs of a node uses, n = 0..16."""
-    n = np.arange(RING_TABLE, dtype=float)
-    if intra_node == "switch":
-        return np.ones(RING_TABLE)
-    if intra_node == "mesh":
-        peers = max(gpus_per_node - 1, 1)
-        return np.clip(np.maximum(n - 1.0, 1.0) / peers, 0.0, 1.0)
-    if intra_node == "cube-mesh":
-        share = np.array(_cube_mesh_share())
-        out = np.full(RING_TABLE, share[-1])
-        out[: len(share)] = share
-        return out
-    raise ValueError(f"intra_node={intra_node!r}: expected one of {', '.join(TOPOLOGIES)}")
+    if intra_node not in INTRA_NODE:
+        raise ValueError(f"intra_node={intra_node!r}: expected one of {', '.join(INTRA_NODE)}")
+    return INTRA_NODE[intra_node].ring_share_fn(gpus_per_node)

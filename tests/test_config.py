@@ -469,7 +469,7 @@ def test_cluster_value_errors(tmp_path):
         ("intra_node: cube-mesh\ngpus_per_node: 4\n",
          r"gpus_per_node=4 does not fit intra_node='cube-mesh': DGX-1's hybrid cube-mesh has 8"),
         ("intra_node: mesh\ngpus_per_node: 32\n",
-         r"gpus_per_node=32 is too many for intra_node='mesh': expected at most 16"),
+         r"gpus_per_node=32 does not fit intra_node='mesh': expected at most 16"),
     ]  # fmt: skip
     for text, pattern in cases:
         path = write(tmp_path / "c.yaml", "base: dgx-h100\n" + text)
