@@ -5,7 +5,9 @@ domain) and ``n / k`` nodes are joined by NICs through the fabric. Every algorit
 with latency (alpha) and bandwidth (beta) terms per level; NCCL picks the fastest algorithm, so
 the model takes a smooth minimum over the variants NCCL has for the collective: ring, tree and
 hierarchical for all-reduce, the ring alone for all-gather and reduce-scatter (whose ``n - 1``
-steps each wait for the slowest hop, which across nodes is a NIC hop).
+steps each wait for the slowest hop, which across nodes is a NIC hop). Algorithms are pure
+functions in the ``ALGORITHMS`` registry; ``COLLECTIVES`` says which of them each collective
+chooses from, so adding one touches this module only.
 
 Bandwidth curve: a link moving ``M`` bytes reaches ``B * M / (M + M_half)``, i.e. the time is
 ``(M + M_half) / B``: a smooth small-message penalty that vanishes for large messages.
@@ -23,6 +25,10 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -75,7 +81,25 @@ def place(degree, stride, gpus_per_node) -> Placement:
     return Placement(size=degree, per_node=per_node, intra_share=intra, inter_share=inter)
 
 
-def _links(cluster: ClusterArrays, params: Params, per_node=None):
+@struct.dataclass
+class GroupLinks:
+    """The links one group's collectives run over, at their effective rates.
+
+    NVLink and NIC bandwidths (per direction) and latencies as calibrated, and the flat ring
+    through the group: every ring step is limited by its slowest hop, and across nodes the
+    inter-node hops get ``per_node`` NIC shares.
+    """
+
+    group: Placement
+    nvlink_Bps: jax.Array
+    nic_Bps: jax.Array
+    nvlink_latency_s: jax.Array
+    nic_latency_s: jax.Array
+    ring_Bps: jax.Array
+    ring_latency_s: jax.Array
+
+
+def _link_rates(cluster: ClusterArrays, params: Params, per_node=None):
     """Effective per-direction bandwidths and latencies of the two link levels.
 
     A ring over ``per_node`` GPUs of a node uses ``cluster.ring_share`` of the GPU's NVLink
@@ -92,6 +116,24 @@ def _links(cluster: ClusterArrays, params: Params, per_node=None):
     return nvl_Bps, nic_Bps, nvl_lat, nic_lat
 
 
+def group_links(group: Placement, cluster: ClusterArrays, params: Params, temperature):
+    """``GroupLinks`` of ``group`` (its fields may be arrays: one group per element)."""
+    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _link_rates(cluster, params, group.per_node)
+    nodes = group.nodes
+    inter_frac = (nodes - 1.0) / nodes
+    crosses = jnp.minimum(2.0 * inter_frac, 1.0)  # 0 in one node, 1 across nodes
+    nic_hop_Bps = smooth.smin2(nvl_Bps, group.per_node * nic_Bps, temperature)
+    return GroupLinks(
+        group=group,
+        nvlink_Bps=nvl_Bps,
+        nic_Bps=nic_Bps,
+        nvlink_latency_s=nvl_lat,
+        nic_latency_s=nic_lat,
+        ring_Bps=1.0 / ((1.0 - crosses) / nvl_Bps + crosses / nic_hop_Bps),
+        ring_latency_s=nvl_lat + (nic_lat - nvl_lat) * crosses,
+    )
+
+
 def _present(msg_bytes):
     """Smooth gate: 0 for an empty message, 1 for any real one."""
     return msg_bytes / (msg_bytes + _ZERO_BYTES)
@@ -102,29 +144,6 @@ def _transfer(msg_bytes, Bps, params: Params):
     return (msg_bytes + params.half_bw_bytes * _present(msg_bytes)) / Bps
 
 
-def all_reduce_s(msg_bytes, group: Placement, cluster, params, temperature):
-    """All-reduce of a ``msg_bytes`` buffer over ``group`` (seconds).
-
-    Hierarchical: reduce-scatter inside the node, all-reduce of ``1/k`` across nodes on every
-    local rank's NIC share, all-gather inside the node. Ring: one ring over all ranks whose
-    inter-node hops share ``k`` NIC shares. Tree: double binary tree, ``2 log2 n`` latency.
-    """
-    return _collective_s(
-        msg_bytes, group, cluster, params, temperature, factor=2.0, all_reduce=True, reduce=True
-    )
-
-
-def reduce_scatter_s(msg_bytes, group, cluster, params, temperature):
-    """Reduce-scatter of a ``msg_bytes`` buffer: half an all-reduce's traffic and reduction, on
-    a ring over all ranks."""
-    return _collective_s(msg_bytes, group, cluster, params, temperature, 1.0, reduce=True)
-
-
-def all_gather_s(msg_bytes, group, cluster, params, temperature):
-    """All-gather into a ``msg_bytes`` buffer: a reduce-scatter's ring, nothing to reduce."""
-    return _collective_s(msg_bytes, group, cluster, params, temperature, 1.0)
-
-
 def _log2_ratio(n):
     """``log2(n) / (n - 1)``, equal to ``1 / ln 2`` at ``n = 1`` (double ``where``)."""
     d = n - 1.0
@@ -133,57 +152,158 @@ def _log2_ratio(n):
     return jnp.where(ok, jnp.log2(jnp.where(ok, n, 2.0)) / safe, (1.0 - 0.5 * d) / jnp.log(2.0))
 
 
-def _collective_s(
-    msg_bytes,
-    group: Placement,
-    cluster,
-    params,
-    temperature,
-    factor,
-    all_reduce=False,
-    reduce=False,
-):
-    """Every algorithm costs ``(n - 1) * rate``; NCCL's choice is a smooth min of the rates.
+# --- algorithms ---------------------------------------------------------------------------------
+# An algorithm is a pure function ``(msg_bytes, links: GroupLinks, params) -> seconds``: the time
+# of one of the ``n - 1`` steps of a collective that moves the buffer once (all-gather or
+# reduce-scatter traffic); ``collective_s`` scales it by the collective's traffic and by
+# ``n - 1``. Adding an algorithm is a function and an entry in ``ALGORITHMS``.
 
+AlgorithmFn = Callable[[jax.Array, GroupLinks, Params], jax.Array]
+
+
+def ring_step_s(msg_bytes, links: GroupLinks, params: Params):
+    """Flat ring over all ranks: ``1 / n`` of the buffer per step at the ring's bandwidth.
+
+    References:
+        Thakur, Rabenseifner & Gropp (2005), ring all-gather and reduce-scatter.
+    """
+    n = links.group.size
+    return _transfer(msg_bytes, links.ring_Bps, params) / n + (
+        _present(msg_bytes) * links.ring_latency_s
+    )
+
+
+def hierarchical_step_s(msg_bytes, links: GroupLinks, params: Params):
+    """Reduce-scatter / all-gather inside the node, ring across nodes on ``1 / k`` of the data
+    through every local rank's NIC share (NCCL's hierarchical all-reduce)."""
+    g = links.group
+    k, nodes = g.per_node, g.nodes
+    return (
+        g.intra_share / k * _transfer(msg_bytes, links.nvlink_Bps, params)
+        + g.inter_share / nodes * _transfer(msg_bytes / k, links.nic_Bps, params)
+        + _present(msg_bytes)
+        * (g.intra_share * links.nvlink_latency_s + g.inter_share * links.nic_latency_s)
+    )
+
+
+def tree_step_s(msg_bytes, links: GroupLinks, params: Params):
+    """Double binary tree: ``2 log2 n`` latency; pipelined trees reach about 2/3 of the ring's
+    bandwidth (NCCL's tree all-reduce)."""
+    n = links.group.size
+    return _transfer(msg_bytes, links.ring_Bps, params) * _TREE_BW_PENALTY / n + (
+        _present(msg_bytes) * _log2_ratio(n) * links.ring_latency_s
+    )
+
+
+ALGORITHMS: dict[str, AlgorithmFn] = {
+    "hierarchical": hierarchical_step_s,
+    "ring": ring_step_s,
+    "tree": tree_step_s,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """How a collective is costed.
+
+    Attributes:
+        traffic: buffer passes over the links per rank: 2 for an all-reduce (a reduce-scatter
+            then an all-gather), 1 otherwise.
+        algorithms: keys of ``ALGORITHMS`` that NCCL chooses from for it.
+        reduces: whether the GPU also passes over the buffer to reduce it.
+    """
+
+    traffic: float
+    algorithms: tuple[str, ...]
+    reduces: bool
+
+
+# NCCL has the hierarchical split and trees for all-reduce only; all-gather and reduce-scatter
+# run on the ring, whose ``n - 1`` steps each wait for the slowest hop.
+COLLECTIVES: dict[str, Collective] = {
+    "all_reduce": Collective(
+        traffic=2.0, algorithms=("hierarchical", "ring", "tree"), reduces=True
+    ),
+    "reduce_scatter": Collective(1.0, algorithms=("ring",), reduces=True),
+    "all_gather": Collective(1.0, algorithms=("ring",), reduces=False),
+}
+
+
+def collective_s(name: str, msg_bytes, group: Placement, cluster, params, temperature):
+    """Time of the collective ``name`` (a key of ``COLLECTIVES``) on a ``msg_bytes`` buffer.
+
+    Every algorithm costs ``(n - 1) * step``; NCCL's choice is a smooth minimum of the steps.
     Factoring out ``n - 1`` makes a one-rank group cost exactly zero and gives the gradient at
     ``n = 1`` as the derivative from the feasible side (``n >= 1``).
 
-    A reducing collective also pays ``factor / 2 * msg_bytes / reduce_Bps``: the GPU's pass
+    A reducing collective also pays ``traffic / 2 * msg_bytes / reduce_Bps``: the GPU's pass
     over the whole buffer to reduce and copy it, whatever the group size. Without it bus
     bandwidth would not depend on the group size; measured, it grows with it (A100 NVSwitch:
     193 GB/s on 2 GPUs, 229 on 8, as ``1 / busbw = 1 / B + n / (2 (n - 1)) / reduce_Bps``).
+
+    Args:
+        name: the collective, e.g. ``"all_reduce"``.
+        msg_bytes: buffer size in bytes (array; broadcasts with the group's fields, so one call
+            costs many collectives).
+        group: the ranks' ``Placement``.
+        cluster, params: hardware and calibrated constants.
+        temperature: softness of the smooth minimum over algorithms (static).
+
+    Returns:
+        Seconds, shaped like ``msg_bytes`` broadcast with the group.
     """
-    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params, group.per_node)
-    n, k = group.size, group.per_node
-    nodes = group.nodes
-    present = _present(msg_bytes)
-    # Flat ring: every step limited by the slowest hop; inter-node hops get k NIC shares.
-    inter_frac = (nodes - 1.0) / nodes
-    crosses = jnp.minimum(2.0 * inter_frac, 1.0)  # 0 in one node, 1 across nodes
-    ring_Bps = 1.0 / (
-        (1.0 - crosses) / nvl_Bps + crosses / smooth.smin2(nvl_Bps, k * nic_Bps, temperature)
-    )
-    lat = nvl_lat + (nic_lat - nvl_lat) * crosses
-    ring = factor * (_transfer(msg_bytes, ring_Bps, params) / n + present * lat)
-    algorithms = [ring]
-    if all_reduce:  # NCCL has the hierarchical split and trees for all-reduce only
-        # Hierarchical: intra-node RS/AG + inter-node ring on 1/k of the data per NIC share.
-        hier = factor * (
-            group.intra_share / k * _transfer(msg_bytes, nvl_Bps, params)
-            + group.inter_share / nodes * _transfer(msg_bytes / k, nic_Bps, params)
-            + present * (group.intra_share * nvl_lat + group.inter_share * nic_lat)
-        )
-        # log-depth latency; pipelined trees reach about 2/3 of the ring's bandwidth
-        tree = factor * (
-            _transfer(msg_bytes, ring_Bps, params) * _TREE_BW_PENALTY / n
-            + present * _log2_ratio(n) * lat
-        )
-        algorithms = [hier, ring, tree]
-    rates = jnp.stack(algorithms, axis=-1)
-    best = (n - 1.0) * smooth.smooth_min(rates, axis=-1, temperature=temperature)
-    if reduce:
-        best = best + jnp.minimum(n - 1.0, 1.0) * factor / 2.0 * msg_bytes / params.reduce_Bps
+    spec = COLLECTIVES[name]
+    links = group_links(group, cluster, params, temperature)
+    steps = [spec.traffic * ALGORITHMS[a](msg_bytes, links, params) for a in spec.algorithms]
+    step = steps[0]
+    if len(steps) > 1:
+        step = smooth.smooth_min(jnp.stack(steps, axis=-1), axis=-1, temperature=temperature)
+    n = group.size
+    best = (n - 1.0) * step
+    if spec.reduces:
+        best = best + jnp.minimum(n - 1.0, 1.0) * spec.traffic / 2.0 * msg_bytes / params.reduce_Bps
     return best + _call_overhead(msg_bytes, n, params)
+
+
+def all_reduce_s(msg_bytes, group: Placement, cluster, params, temperature):
+    """All-reduce of a ``msg_bytes`` buffer over ``group`` (seconds): hierarchical, ring or tree,
+    whichever is fastest (see ``collective_s``)."""
+    return collective_s("all_reduce", msg_bytes, group, cluster, params, temperature)
+
+
+def reduce_scatter_s(msg_bytes, group: Placement, cluster, params, temperature):
+    """Reduce-scatter of a ``msg_bytes`` buffer: half an all-reduce's traffic and reduction, on
+    a ring over all ranks."""
+    return collective_s("reduce_scatter", msg_bytes, group, cluster, params, temperature)
+
+
+def all_gather_s(msg_bytes, group: Placement, cluster, params, temperature):
+    """All-gather into a ``msg_bytes`` buffer: a reduce-scatter's ring, nothing to reduce."""
+    return collective_s("all_gather", msg_bytes, group, cluster, params, temperature)
+
+
+def collectives_s(requests, cluster, params, temperature) -> list:
+    """Times of many collectives, each kind costed in one vectorized ``collective_s`` call.
+
+    Args:
+        requests: a sequence of ``(name, msg_bytes, group)``, ``name`` a key of
+            ``COLLECTIVES``, ``msg_bytes`` a scalar, ``group`` a scalar ``Placement``.
+        cluster, params, temperature: as in ``collective_s``.
+
+    Returns:
+        A list of seconds, one per request and in its order.
+    """
+    out = [None] * len(requests)
+    for name in COLLECTIVES:
+        picked = [i for i, r in enumerate(requests) if r[0] == name]
+        if not picked:
+            continue
+        msg_bytes = jnp.stack([requests[i][1] for i in picked])
+        group = jax.tree_util.tree_map(lambda *f: jnp.stack(f), *(requests[i][2] for i in picked))
+        times = collective_s(name, msg_bytes, group, cluster, params, temperature)
+        for j, i in enumerate(picked):
+            out[i] = times[j]
+    return out
 
 
 def _call_overhead(msg_bytes, n, params):
@@ -194,7 +314,7 @@ def _call_overhead(msg_bytes, n, params):
 
 def all_to_all_s(msg_bytes, group: Placement, cluster, params, temperature):
     """All-to-all where every rank holds ``msg_bytes`` and keeps ``1/n`` of it."""
-    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params, group.per_node)
+    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _link_rates(cluster, params, group.per_node)
     n, k = group.size, group.per_node
     present = _present(msg_bytes)
     intra = (k - 1.0) / n * msg_bytes
@@ -209,7 +329,7 @@ def all_to_all_s(msg_bytes, group: Placement, cluster, params, temperature):
 
 def send_recv_s(msg_bytes, inter_node, cluster, params):
     """Point-to-point send of ``msg_bytes``; ``inter_node`` in [0, 1] is the share crossing NICs."""
-    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _links(cluster, params)
+    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _link_rates(cluster, params)
     present = _present(msg_bytes)
     intra_t = _transfer(msg_bytes, nvl_Bps, params) + present * nvl_lat
     inter_t = _transfer(msg_bytes, nic_Bps, params) + present * nic_lat

@@ -17,15 +17,31 @@ References:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 
 from diffcost import smooth
 from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays
 from diffcost.params import GEMM_GRID_CLASSES, GEMM_GRID_LOG2_LO, LAYER_GRID_LOG2_LO, Params
 from diffcost.specs import PRECISIONS
+from diffcost.workload import KERNELS_PER_LAYER_FWD, LayerWork
 
 _BF16, _FP16 = PRECISIONS.index("bf16"), PRECISIONS.index("fp16")
 _HIGH, _LOW = GEMM_GRID_CLASSES.index("high"), GEMM_GRID_CLASSES.index("low")
+
+ATTN_BWD_FACTOR_FLASH = 2.5  # fused backward recomputes the scores
+ATTN_BWD_FACTOR = 2.0
+CAUSAL_FRACTION_FLASH = 0.5  # fused causal kernels skip the masked half
+# HBM bytes per logit of Megatron's vocab-parallel cross entropy (memory-bound passes over the
+# [tokens, vocab / tp] logits). Forward: cast the 16-bit logits to fp32 (2 + 4), max (4),
+# subtract it (4 + 4), exp (4 + 4), sum (4), softmax kept for backward (4 + 4). Backward:
+# softmax minus the one-hot target (4 + 4), times the loss gradient (4 + 4), cast to 16 bits
+# for the head's backward GEMMs (4 + 2).
+LOSS_FWD_BYTES_PER_LOGIT = 34.0
+LOSS_BWD_BYTES_PER_LOGIT = 22.0
+# Forward and backward multiples of a layer's forward elementwise passes and kernel launches.
+_FWD_BWD_PASSES = (1.0, 2.0)
 
 
 def gemm_peak_flops(model: ModelArrays, cluster: ClusterArrays, params: Params):
@@ -178,3 +194,95 @@ def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, tempera
     compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present * shape
     io = memory_bound_s(ACT_BYTES * (m * k + k * n + m * n), cluster, params)
     return smooth.smax2(compute, io, temperature)
+
+
+@struct.dataclass
+class KernelTimes:
+    """Kernel time on one GPU for one microbatch; every field is [2]: forward, backward."""
+
+    layer_s: jax.Array  # one layer: GEMMs, attention, memory-bound kernels, casts, launches
+    attention_s: jax.Array  # the layer's attention core (part of ``layer_s``)
+    head_s: jax.Array  # LM head GEMMs (backward: dgrad + wgrad)
+    loss_s: jax.Array  # vocab-parallel cross entropy over the local logits
+
+
+def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
+    """(layer GEMMs [2], LM head GEMMs [2]) forward and backward, one ``gemm_s`` call.
+
+    Forward ``(m x k) @ (k x n)``; dgrad ``(m x n) @ (n x k)`` and wgrad ``(k x m) @ (m x n)``:
+    the same FLOPs, transposed shapes. The LM head is not an FP8/FP4 layer (Megatron-Core's
+    output layer, llm-foundry's tied head and torchtitan's float8 conversion all keep it in 16
+    bits): it runs at the 16-bit rate and reads the 16-bit shape grid.
+    """
+    low, g = work.low_precision, work.gemms
+    rate = jnp.maximum(gemm_peak_flops(model, cluster, params), 1.0)
+    head_rate = low * jnp.maximum(half_peak_flops(model, cluster, params), 1.0) + (1.0 - low) * rate
+    head = (work.tokens, work.vocab_local, model.hidden)
+    table, base = (params.gemm_shape_log_eff, None) if grid is None else grid
+    log_effs = layer_and_head_log_effs(table, low, g.m, g.n, g.k, head, base)
+    m, n, k = (jnp.append(d, h) for d, h in zip((g.m, g.n, g.k), head))
+    rates = jnp.append(jnp.broadcast_to(rate, g.m.shape), head_rate)
+    fwd, dgrad, wgrad = gemm_s(
+        jnp.stack([m, m, k]),
+        jnp.stack([n, k, n]),
+        jnp.stack([k, n, m]),
+        rates,
+        cluster,
+        params,
+        temperature,
+        jnp.stack(log_effs),
+    )
+    layer = jnp.stack([jnp.sum(fwd[:-1]), jnp.sum(dgrad[:-1] + wgrad[:-1])])
+    return layer, jnp.stack([fwd[-1], dgrad[-1] + wgrad[-1]])
+
+
+def _attention_times(work: LayerWork, model, cluster, params, temperature):
+    """Attention core forward and backward [2]: a roofline of its FLOPs (half of them with a
+    fused causal kernel) and its HBM traffic; unfused, the score passes add up in series."""
+    flash = model.flash
+    causal = flash * CAUSAL_FRACTION_FLASH + (1.0 - flash)
+    rate16 = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
+    attn_rate = rate16 * (flash * params.attention_eff(model.flash2) + (1.0 - flash))
+    fwd = smooth.smax2(
+        work.attention_flops * causal / attn_rate,
+        memory_bound_s(work.attention_bytes * flash, cluster, params),
+        temperature,
+    ) + memory_bound_s(work.attention_bytes * (1.0 - flash), cluster, params)
+    bwd_factor = flash * ATTN_BWD_FACTOR_FLASH + (1 - flash) * ATTN_BWD_FACTOR
+    return fwd * jnp.stack([jnp.ones_like(bwd_factor), bwd_factor])
+
+
+def kernel_times(
+    work: LayerWork,
+    model: ModelArrays,
+    cluster: ClusterArrays,
+    params: Params,
+    temperature,
+    grid=None,
+) -> KernelTimes:
+    """Kernel times of one layer, its attention core, the LM head and the loss.
+
+    Args:
+        work: ``workload.layer_work(model, plan)``.
+        model, cluster, params: array pytrees of one configuration.
+        temperature: relative softness of the rooflines' smooth maxima (static).
+        grid: ``(table, base)`` of shared GEMM shape grids (see ``simulate.simulate``), or
+            None for ``params.gemm_shape_log_eff``.
+
+    Returns:
+        A ``KernelTimes`` in seconds.
+    """
+    gemm, head = _gemm_times(work, model, cluster, params, temperature, grid)
+    attention = _attention_times(work, model, cluster, params, temperature)
+    passes = jnp.asarray(_FWD_BWD_PASSES, dtype=attention.dtype)
+    elementwise = memory_bound_s(work.elementwise_bytes, cluster, params) * passes
+    casts = memory_bound_s(jnp.stack([work.cast_fwd_bytes, work.cast_bwd_bytes]), cluster, params)
+    launches = KERNELS_PER_LAYER_FWD * params.kernel_overhead_s * passes
+    logits = work.tokens * work.vocab_local
+    loss_bytes = jnp.asarray((LOSS_FWD_BYTES_PER_LOGIT, LOSS_BWD_BYTES_PER_LOGIT), attention.dtype)
+    return KernelTimes(
+        layer_s=gemm + attention + elementwise + casts + launches,
+        attention_s=attention,
+        head_s=head,
+        loss_s=memory_bound_s(loss_bytes * logits, cluster, params),
+    )

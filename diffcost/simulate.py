@@ -42,6 +42,7 @@ from flax import struct
 from diffcost import comm, kernels, smooth, workload
 from diffcost.arrays import ACT_BYTES, ClusterArrays, ModelArrays, PlanArrays
 from diffcost.params import HEAD_GRID_LOG2_LO, Params
+from diffcost.workload import LayerWork
 
 STATUS_OK, STATUS_OOM, STATUS_INVALID = 0, 1, 2
 STATUS_NAMES = ("ok", "oom", "invalid")
@@ -52,19 +53,13 @@ FSDP_GRAD_BYTES = 2.0  # FSDP reduce-scatters 16-bit gradients per microbatch
 WEIGHT_BYTES = 2.0
 OPTIMIZER_STATE_BYTES = 12.0  # fp32 master weights + Adam m and v
 LOGIT_BYTES = 4.0  # fp32 logits and their gradient on the last stage
-# HBM bytes per logit of Megatron's vocab-parallel cross entropy (memory-bound passes over the
-# [tokens, vocab / tp] logits). Forward: cast the 16-bit logits to fp32 (2 + 4), max (4),
-# subtract it (4 + 4), exp (4 + 4), sum (4), softmax kept for backward (4 + 4). Backward:
-# softmax minus the one-hot target (4 + 4), times the loss gradient (4 + 4), cast to 16 bits
-# for the head's backward GEMMs (4 + 2).
-LOSS_FWD_BYTES_PER_LOGIT = 34.0
-LOSS_BWD_BYTES_PER_LOGIT = 22.0
+LOSS_COMM_BYTES_PER_TOKEN = 4.0  # vocab-parallel cross entropy: fp32 max and sum per token
 RUNTIME_RESERVE_BYTES = 1.0 * 2**30  # CUDA context, allocator fragmentation, workspaces
 DP_BUCKET_BYTES = 40e6  # gradient bucket buffers (two in flight)
-ATTN_BWD_FACTOR_FLASH = 2.5  # fused backward recomputes the scores
-ATTN_BWD_FACTOR = 2.0
-CAUSAL_FRACTION_FLASH = 0.5  # fused causal kernels skip the masked half
 _DIVISIBILITY_TOL = 1e-6
+# Multiples of forward per direction ([2]: forward, backward): the backward runs the layer's
+# host ops twice, and its K/V exchange moves the keys and values and their gradients.
+_FWD_BWD_TWICE = (1.0, 2.0)
 
 
 @struct.dataclass
@@ -154,10 +149,10 @@ def grad_bytes(plan: PlanArrays):
     return GRAD_BYTES_16 + (GRAD_BYTES - GRAD_BYTES_16) * plan.grad_reduce_fp32
 
 
-def _overlap(compute, comm_s, kappa, temperature):
+def _overlap(compute_s, comm_s, kappa, temperature):
     """Two streams running together: each slows by ``kappa`` over the overlapping time."""
-    both = smooth.smin2(compute, comm_s, temperature)
-    return smooth.smax2(compute + kappa * both, comm_s + kappa * both, temperature)
+    both = smooth.smin2(compute_s, comm_s, temperature)
+    return smooth.smax2(compute_s + kappa * both, comm_s + kappa * both, temperature)
 
 
 def _multi_stage(pp):
@@ -203,247 +198,308 @@ def plan_is_valid(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays):
     return functools.reduce(jnp.logical_and, checks)
 
 
-def stage_times(model, plan, cluster, params, temperature, grid=None) -> StageTimes:
-    """Per-stage, per-microbatch times and the units of the pipeline and DP schedule."""
-    tau = temperature
-    kappa = params.interference
-    gpn = cluster.gpus_per_node
+# --- communication groups and what they carry -------------------------------------------------
+
+
+@struct.dataclass
+class Groups:
+    """Placement of one group of each parallel dimension (``comm.Placement``, scalar fields)."""
+
+    tp: comm.Placement
+    cp: comm.Placement
+    dp: comm.Placement
+    pp: comm.Placement
+    ep: comm.Placement  # expert parallel: inside the data-parallel group
+    edp: comm.Placement  # expert data parallel: replicas of one expert shard
+
+
+def place_groups(plan: PlanArrays, cluster: ClusterArrays) -> Groups:
+    """Where each parallel dimension's groups sit, from the plan's rank order (one ``place``)."""
     tp_stride, cp_stride, dp_stride, pp_stride = _strides(plan)
-    tp_group = comm.place(plan.tp, tp_stride, gpn)
-    cp_group = comm.place(plan.cp, cp_stride, gpn)
-    dp_group = comm.place(plan.dp, dp_stride, gpn)
-    ep_group = comm.place(plan.ep, dp_stride, gpn)
-    edp_group = comm.place(plan.dp / plan.ep, dp_stride * plan.ep, gpn)
-    pp_group = comm.place(plan.pp, pp_stride, gpn)
-
-    # --- one layer, one microbatch -----------------------------------------------------------
-    rate = jnp.maximum(kernels.gemm_peak_flops(model, cluster, params), 1.0)
-    rate16 = jnp.maximum(kernels.half_peak_flops(model, cluster, params), 1.0)
-    g = workload.layer_gemms(model, plan)
-    t = workload.tokens(model, plan)
-    vocab_local = model.vocab / plan.tp
-    low = workload.low_precision(model)
-    table, base = (params.gemm_shape_log_eff, None) if grid is None else grid
-    fwd_le, dgrad_le, wgrad_le = kernels.layer_and_head_log_effs(
-        table, low, g.m, g.n, g.k, (t, vocab_local, model.hidden), base
+    degrees = jnp.stack([plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.dp / plan.ep])
+    strides = jnp.stack(
+        [tp_stride, cp_stride, dp_stride, pp_stride, dp_stride, dp_stride * plan.ep]
     )
-    gemm_fwd = jnp.sum(kernels.gemm_s(g.m, g.n, g.k, rate, cluster, params, tau, fwd_le[:-1]))
-    # dgrad (m x n) @ (n x k) and wgrad (k x m) @ (m x n): same FLOPs, transposed shapes.
-    gemm_bwd = jnp.sum(
-        kernels.gemm_s(g.m, g.k, g.n, rate, cluster, params, tau, dgrad_le[:-1])
-        + kernels.gemm_s(g.k, g.n, g.m, rate, cluster, params, tau, wgrad_le[:-1])
+    placed = comm.place(degrees, strides, cluster.gpus_per_node)
+    pick = lambda i: jax.tree_util.tree_map(lambda field: field[i], placed)  # noqa: E731
+    return Groups(*(pick(i) for i in range(6)))
+
+
+@struct.dataclass
+class CommTimes:
+    """One call of every collective an iteration runs, on one GPU (seconds)."""
+
+    tp_all_gather_s: jax.Array  # sequence parallel: a layer input's tokens gathered
+    tp_reduce_scatter_s: jax.Array  # sequence parallel: a block's output reduced and split
+    tp_all_reduce_s: jax.Array  # without sequence parallel: a block's output reduced
+    loss_all_reduce_s: jax.Array  # vocab-parallel cross entropy: max and sum per token
+    cp_all_gather_s: jax.Array  # context parallel: K and V of the whole sequence
+    ep_all_to_all_s: jax.Array  # expert parallel: tokens to their experts (or back)
+    zero3_gather_s: jax.Array  # ZeRO-3: one layer's 16-bit parameters (dense + experts)
+    zero3_scatter_s: jax.Array  # ZeRO-3: one layer's 16-bit gradients (dense + experts)
+    all_reduce_s: jax.Array  # [3] gradients of a layer's dense, expert and embedding params
+    reduce_scatter_s: jax.Array  # [3] the same, reduce-scattered (ZeRO-1/2)
+    stage_gather_s: jax.Array  # ZeRO-1/2: the stage's updated 16-bit parameters
+    p2p_s: jax.Array  # one activation send between adjacent stages
+
+
+def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, temperature):
+    """``CommTimes`` of one iteration: its collectives costed together (``comm.collectives_s``).
+
+    Args:
+        work: ``workload.layer_work(model, plan)``.
+        model, plan, cluster, params: array pytrees of one configuration.
+        groups: ``place_groups(plan, cluster)``.
+        temperature: relative softness (static).
+
+    Returns:
+        A ``CommTimes``.
+    """
+    dense, experts, embedding = work.dense_params, work.expert_params, work.embedding_params
+    grads = grad_bytes(plan)
+    stage_params = model.n_layers / plan.pp * (dense + experts)
+    requests = [
+        ("all_gather", work.tp_msg_bytes, groups.tp),
+        ("reduce_scatter", work.tp_msg_bytes, groups.tp),
+        ("all_reduce", work.tp_msg_bytes, groups.tp),
+        ("all_reduce", work.tokens * LOSS_COMM_BYTES_PER_TOKEN, groups.tp),
+        ("all_gather", work.kv_msg_bytes, groups.cp),
+        ("all_gather", dense * WEIGHT_BYTES, groups.dp),
+        ("all_gather", experts * WEIGHT_BYTES, groups.edp),
+        ("reduce_scatter", dense * FSDP_GRAD_BYTES, groups.dp),
+        ("reduce_scatter", experts * FSDP_GRAD_BYTES, groups.edp),
+        ("all_gather", stage_params * WEIGHT_BYTES, groups.dp),
+    ]
+    for name in ("all_reduce", "reduce_scatter"):  # gradient sync
+        requests += [
+            (name, dense * grads, groups.dp),
+            (name, experts * grads, groups.edp),
+            (name, embedding * grads, groups.dp),
+        ]
+    t = comm.collectives_s(requests, cluster, params, temperature)
+    # share of stage boundaries that cross nodes: (nodes - 1) of the (pp - 1) boundaries
+    inter_node = smooth.safe_div(groups.pp.nodes - 1.0, plan.pp - 1.0)
+    return CommTimes(
+        tp_all_gather_s=t[0],
+        tp_reduce_scatter_s=t[1],
+        tp_all_reduce_s=t[2],
+        loss_all_reduce_s=t[3],
+        cp_all_gather_s=t[4],
+        ep_all_to_all_s=comm.all_to_all_s(
+            work.ep_msg_bytes, groups.ep, cluster, params, temperature
+        ),
+        zero3_gather_s=t[5] + t[6],
+        zero3_scatter_s=t[7] + t[8],
+        stage_gather_s=t[9],
+        all_reduce_s=jnp.stack(t[10:13]),
+        reduce_scatter_s=jnp.stack(t[13:16]),
+        p2p_s=comm.send_recv_s(work.p2p_msg_bytes, inter_node, cluster, params),
     )
-    attn_flops = workload.attention_flops(model, plan)
-    attn_bytes = workload.attention_bytes(model, plan)
-    causal = model.flash * CAUSAL_FRACTION_FLASH + (1.0 - model.flash)
-    attn_eff = params.attention_eff(model.flash2)
-    attn_rate = rate16 * (model.flash * attn_eff + (1.0 - model.flash))
-    attn_fwd = smooth.smax2(
-        attn_flops * causal / attn_rate,
-        kernels.memory_bound_s(attn_bytes * model.flash, cluster, params),
-        tau,
-    ) + kernels.memory_bound_s(attn_bytes * (1.0 - model.flash), cluster, params)
-    attn_bwd = attn_fwd * (
-        model.flash * ATTN_BWD_FACTOR_FLASH + (1 - model.flash) * ATTN_BWD_FACTOR
-    )
-    elem_fwd = kernels.memory_bound_s(workload.elementwise_bytes(model, plan), cluster, params)
-    cast_fwd, cast_bwd = (
-        kernels.memory_bound_s(b, cluster, params) for b in workload.cast_bytes(model, g)
-    )
-    launch = workload.KERNELS_PER_LAYER_FWD * params.kernel_overhead_s
-    gpu_fwd = gemm_fwd + attn_fwd + elem_fwd + cast_fwd + launch
-    gpu_bwd = gemm_bwd + attn_bwd + 2.0 * elem_fwd + cast_bwd + 2.0 * launch
 
-    act_msg = workload.tokens(model, plan) * model.hidden * ACT_BYTES
-    tp_sp = 2.0 * (
-        comm.all_gather_s(act_msg, tp_group, cluster, params, tau)
-        + comm.reduce_scatter_s(act_msg, tp_group, cluster, params, tau)
-    )
-    tp_ar = 2.0 * comm.all_reduce_s(act_msg, tp_group, cluster, params, tau)
-    tp_x = plan.sp * tp_sp + (1.0 - plan.sp) * tp_ar  # the same again in backward
 
-    kv_msg = (
-        2.0
-        * workload.tokens(model, plan)
-        * plan.cp
-        * model.kv_heads
-        * (model.hidden / model.heads)
-        / plan.tp
-        * ACT_BYTES
-    )
-    cp_x = comm.all_gather_s(kv_msg, cp_group, cluster, params, tau)
-    cp_fwd = _overlap(attn_fwd, cp_x, kappa, tau) - attn_fwd  # exposed K/V exchange
-    cp_bwd = _overlap(attn_bwd, 2.0 * cp_x, kappa, tau) - attn_bwd
+# --- one layer ----------------------------------------------------------------------------------
 
-    ep_msg = workload.routed_tokens(model, plan) * model.hidden * ACT_BYTES
-    ep_x = 2.0 * comm.all_to_all_s(ep_msg, ep_group, cluster, params, tau)
 
-    def with_tp(comp, x):
-        serial = comp + x
-        return (1.0 - plan.overlap_tp) * serial + plan.overlap_tp * _overlap(comp, x, kappa, tau)
+def tp_comm_s(compute_s, comms: CommTimes, plan: PlanArrays, kappa, temperature):
+    """Exposed tensor-parallel communication of one layer ([2] like ``compute_s``).
 
-    # GPU stream of one layer: kernels, then exposed TP, CP and EP communication on it.
-    tp_fwd = with_tp(gpu_fwd, tp_x) - gpu_fwd
-    tp_bwd = with_tp(gpu_bwd, tp_x) - gpu_bwd
-    stream_fwd = gpu_fwd + tp_fwd + cp_fwd + ep_x
-    stream_bwd = gpu_bwd + tp_bwd + cp_bwd + ep_x
-    # The host dispatches ops ahead of the GPU: a fraction ``host_overlap`` of the shorter of
-    # host and GPU time is hidden (1: the layer takes the longer of the two; 0: their sum, as
-    # when synchronizations stall the host). Host time not hidden counts as compute.
-    host = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s
-    hidden = params.host_overlap
+    Megatron's layer runs two collectives per block and direction: with sequence parallelism an
+    all-gather and a reduce-scatter, without it an all-reduce. They run in series with the
+    kernels, or overlapped with them (``overlap_tp``; both slow by the interference factor).
+    """
+    with_sp = 2.0 * (comms.tp_all_gather_s + comms.tp_reduce_scatter_s)
+    without_sp = 2.0 * comms.tp_all_reduce_s
+    tp_s = plan.sp * with_sp + (1.0 - plan.sp) * without_sp
+    serial = compute_s + tp_s
+    overlapped = _overlap(compute_s, tp_s, kappa, temperature)
+    return (1.0 - plan.overlap_tp) * serial + plan.overlap_tp * overlapped - compute_s
 
-    def with_host(stream, host_s):
-        return stream + host_s - hidden * smooth.smin2(stream, host_s, tau)
 
-    # The calibrated factor of the layer's shape on one GPU (1 until calibration moves it)
-    # scales the whole layer, its communication included.
-    shape_f = jnp.exp(
-        kernels.layer_log_time(
-            params.layer_shape_log_time + params.cluster_layer_log_time,
-            t,
-            model.hidden / plan.tp,
-            plan.tp,
-        )
-    )
-    lay_fwd = with_host(stream_fwd, host) * shape_f
-    lay_bwd = with_host(stream_bwd, 2.0 * host) * shape_f
-    # recompute extra per mode: none, selective (attention core), full (whole forward)
+def _host_hidden(stream_s, host_s, params: Params, temperature):
+    """A layer's time when the host dispatches ops ahead of the GPU stream.
+
+    A fraction ``host_overlap`` of the shorter of host and GPU time is hidden (1: the layer
+    takes the longer of the two; 0: their sum, as when synchronizations stall the host). Host
+    time not hidden counts as compute.
+    """
+    hidden = params.host_overlap * smooth.smin2(stream_s, host_s, temperature)
+    return stream_s + host_s - hidden
+
+
+def _layer_shape_factor(work: LayerWork, model, plan, params: Params):
+    """The calibrated time factor of the layer's shape on one GPU (1 until calibration moves
+    it): tokens per microbatch, width per GPU and tp on ``params.layer_shape_log_time``."""
+    table = params.layer_shape_log_time + params.cluster_layer_log_time
+    return jnp.exp(kernels.layer_log_time(table, work.tokens, model.hidden / plan.tp, plan.tp))
+
+
+def layer_parts_s(
+    work: LayerWork, kernel: kernels.KernelTimes, comms: CommTimes, model, plan, params, temperature
+):
+    """One layer for one microbatch on one GPU, split into compute, tp, cp, ep and ZeRO time.
+
+    The GPU stream runs the kernels, then the exposed tensor-parallel communication, the
+    context-parallel K/V exchange overlapped with attention and the expert all-to-alls (one to
+    the experts and one back) in series; the host dispatches alongside; the shape factor scales
+    it all. Recompute adds the attention core (selective) or the whole forward (full) to the
+    backward; ZeRO-3 gathers and scatters overlap with the layer.
+
+    Returns:
+        [2, 5] seconds: rows forward, backward; columns compute, tp, cp, ep, zero.
+    """
+    kappa = params.interference
+    twice = jnp.asarray(_FWD_BWD_TWICE, dtype=kernel.layer_s.dtype)
+    attention_s = kernel.attention_s
+    tp_s = tp_comm_s(kernel.layer_s, comms, plan, kappa, temperature)
+    cp_s = _overlap(attention_s, twice * comms.cp_all_gather_s, kappa, temperature) - attention_s
+    ep_s = 2.0 * comms.ep_all_to_all_s
+    stream_s = kernel.layer_s + tp_s + cp_s + ep_s
+    host_s = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s * twice
+    shape = _layer_shape_factor(work, model, plan, params)
+    layer_s = _host_hidden(stream_s, host_s, params, temperature) * shape
     full = plan.recompute[2]
-    rec = plan.recompute[1] * attn_fwd + full * lay_fwd
-
-    # ZeRO-3: gather each layer's parameters (16-bit) forward and backward, scatter gradients.
-    dense_p, expert_p = workload.layer_params_local(model, plan)
-    ag_s = comm.all_gather_s(dense_p * WEIGHT_BYTES, dp_group, cluster, params, tau) + (
-        comm.all_gather_s(expert_p * WEIGHT_BYTES, edp_group, cluster, params, tau)
-    )
-    rs_s = comm.reduce_scatter_s(dense_p * FSDP_GRAD_BYTES, dp_group, cluster, params, tau) + (
-        comm.reduce_scatter_s(expert_p * FSDP_GRAD_BYTES, edp_group, cluster, params, tau)
-    )
-    bwd_core = lay_bwd + rec
-    z3 = plan.zero[3]
-    zero_fwd = z3 * (_overlap(lay_fwd, ag_s, kappa, tau) - lay_fwd)
-    zero_bwd = z3 * (_overlap(bwd_core, ag_s + rs_s, kappa, tau) - bwd_core)
-
-    tp_fwd, tp_bwd, cp_fwd, cp_bwd, ep_x = (
-        shape_f * x for x in (tp_fwd, tp_bwd, cp_fwd, cp_bwd, ep_x)
-    )
-    comm_fwd = tp_fwd + cp_fwd + ep_x
-    comm_bwd = tp_bwd + cp_bwd + ep_x
-    layer_parts_fwd = jnp.stack([lay_fwd - comm_fwd, tp_fwd, cp_fwd, ep_x, zero_fwd])
-    layer_parts_bwd = jnp.stack(
+    recompute_s = plan.recompute[1] * attention_s[0] + full * layer_s[0]
+    zero_s = zero3_comm_s(layer_s, recompute_s, comms, plan, kappa, temperature)
+    tp_s, cp_s, ep_s = shape * tp_s, shape * cp_s, shape * ep_s
+    comm_s = tp_s + cp_s + ep_s
+    fwd = jnp.stack([layer_s[0] - comm_s[0], tp_s[0], cp_s[0], ep_s, zero_s[0]])
+    bwd = jnp.stack(
         [
-            lay_bwd - comm_bwd + rec - full * comm_fwd,
-            tp_bwd + full * tp_fwd,
-            cp_bwd + full * cp_fwd,
-            ep_x * (1.0 + full),
-            zero_bwd,
+            layer_s[1] - comm_s[1] + recompute_s - full * comm_s[0],
+            tp_s[1] + full * tp_s[0],
+            cp_s[1] + full * cp_s[0],
+            ep_s * (1.0 + full),
+            zero_s[1],
         ]
     )
+    return jnp.stack([fwd, bwd])
 
-    # --- stages ------------------------------------------------------------------------------
+
+def zero3_comm_s(layer_s, recompute_s, comms: CommTimes, plan, kappa, temperature):
+    """Exposed ZeRO-3 communication of one layer ([2]): its parameters are gathered before the
+    forward and the backward, prefetched under the layer's compute, and its gradients
+    reduce-scattered during the backward (which includes the recompute)."""
+    zeros = jnp.zeros_like(recompute_s)
+    core_s = layer_s + jnp.stack([zeros, recompute_s])
+    comm_s = comms.zero3_gather_s + jnp.stack([zeros, comms.zero3_scatter_s])
+    return plan.zero[3] * (_overlap(core_s, comm_s, kappa, temperature) - core_s)
+
+
+# --- one stage ----------------------------------------------------------------------------------
+
+
+def _head_s(kernel: kernels.KernelTimes, comms: CommTimes, work, model, plan, params):
+    """LM head and loss of one microbatch, forward and backward ([2] each) and the loss's
+    all-reduces, scaled by the calibrated factor of the head's shape (1 until calibration
+    moves it)."""
+    table = params.head_shape_log_time
+    log_f = kernels.layer_log_time(table, work.tokens, model.hidden, plan.tp, HEAD_GRID_LOG2_LO)
+    factor = jnp.exp(log_f)
+    return factor * kernel.head_s, factor * kernel.loss_s, factor * (2.0 * comms.loss_all_reduce_s)
+
+
+def stage_s(layer_parts, kernel, comms: CommTimes, work, model, plan, cluster, params):
+    """Forward, backward and work split of one microbatch on each stage kind.
+
+    Every stage runs ``layers / pp`` layers; the first adds the embedding, the last the LM
+    head and loss (a single stage has both). Every stage runs the schedule's host step (batch
+    fetch, loss bookkeeping, Python) once per microbatch, whatever its layers and model chunks.
+
+    Args:
+        layer_parts: ``layer_parts_s``, [2, 5].
+        kernel, comms: ``kernels.kernel_times`` and ``comm_times`` of the configuration.
+        work, model, plan, cluster, params: as in ``stage_times``.
+
+    Returns:
+        (forward [3], backward [3], parts [3, 5]) seconds per stage kind (first, middle, last).
+    """
     layers = model.n_layers / plan.pp
-    emb_fwd = kernels.memory_bound_s(2.0 * t * model.hidden * ACT_BYTES, cluster, params)
-    grad_b = grad_bytes(plan)
-    emb_bwd = kernels.memory_bound_s(2.0 * t * model.hidden * grad_b, cluster, params)
-    # The LM head is not an FP8/FP4 layer (Megatron-Core's output layer, llm-foundry's tied
-    # head and torchtitan's float8 conversion all keep it in 16 bits).
-    head_rate = low * rate16 + (1.0 - low) * rate
-    h = model.hidden
-    head_fwd = kernels.gemm_s(t, vocab_local, h, head_rate, cluster, params, tau, fwd_le[-1])
-    head_bwd = kernels.gemm_s(t, h, vocab_local, head_rate, cluster, params, tau, dgrad_le[-1]) + (
-        kernels.gemm_s(h, vocab_local, t, head_rate, cluster, params, tau, wgrad_le[-1])
-    )
-    logits = t * vocab_local
-    loss_fwd = kernels.memory_bound_s(LOSS_FWD_BYTES_PER_LOGIT * logits, cluster, params)
-    loss_bwd = kernels.memory_bound_s(LOSS_BWD_BYTES_PER_LOGIT * logits, cluster, params)
-    # vocab-parallel cross entropy: all-reduce of max and sum per token (small)
-    loss_comm = 2.0 * comm.all_reduce_s(t * 4.0, tp_group, cluster, params, tau)
-    # The calibrated factor of the head's shape on one GPU (1 until calibration moves it).
-    head_f = jnp.exp(
-        kernels.layer_log_time(params.head_shape_log_time, t, h, plan.tp, HEAD_GRID_LOG2_LO)
-    )
-    head_fwd, head_bwd, loss_fwd, loss_bwd, loss_comm = (
-        head_f * x for x in (head_fwd, head_bwd, loss_fwd, loss_bwd, loss_comm)
+    emb_bytes = 2.0 * work.tokens * model.hidden * jnp.stack([ACT_BYTES, grad_bytes(plan)])
+    emb_fwd, emb_bwd = kernels.memory_bound_s(emb_bytes, cluster, params)
+    (head_fwd, head_bwd), (loss_fwd, loss_bwd), loss_comm = _head_s(
+        kernel, comms, work, model, plan, params
     )
     head_total = head_fwd + head_bwd + loss_fwd + loss_bwd + loss_comm
-    emb_total = emb_fwd + emb_bwd
+    single = 1.0 - _multi_stage(plan.pp)
+    mid_fwd, mid_bwd = layers * jnp.sum(layer_parts, axis=1)
+    first_fwd = mid_fwd + emb_fwd + single * (head_fwd + loss_fwd)
+    fwd = jnp.stack([first_fwd, mid_fwd, mid_fwd + head_fwd + loss_fwd])
+    fwd = fwd + params.microbatch_overhead_s
+    first_bwd = mid_bwd + emb_bwd + single * (head_bwd + loss_bwd + loss_comm)
+    bwd = jnp.stack([first_bwd, mid_bwd, mid_bwd + head_bwd + loss_bwd + loss_comm])
+    extras = jnp.stack([emb_fwd + emb_bwd + single * head_total, 0.0 * head_total, head_total])
+    parts = jnp.broadcast_to(layers * jnp.sum(layer_parts, axis=0), (3, 5)).at[:, 0].add(extras)
+    return fwd, bwd, parts
 
-    multi = _multi_stage(plan.pp)
-    # Every stage runs the schedule's host step (batch fetch, loss bookkeeping, Python) once
-    # per microbatch, whatever its layers and model chunks (the first chunk fetches the batch,
-    # the last computes the loss; charged per chunk, the H100 CV error rose 4.66 -> 4.85%).
-    host_step = params.microbatch_overhead_s
-    extra_first = emb_total + (1.0 - multi) * head_total
-    extra_last = head_total
-    mid_fwd = layers * jnp.sum(layer_parts_fwd)
-    mid_bwd = layers * jnp.sum(layer_parts_bwd)
-    fwd = (
-        jnp.stack(
-            [
-                mid_fwd + emb_fwd + (1 - multi) * (head_fwd + loss_fwd),
-                mid_fwd,
-                mid_fwd + head_fwd + loss_fwd,
-            ]
-        )
-        + host_step
-    )
-    bwd = jnp.stack([mid_bwd + emb_bwd, mid_bwd, mid_bwd + head_bwd + loss_bwd + loss_comm]) + (
-        jnp.stack([(1 - multi) * (head_bwd + loss_bwd + loss_comm), 0.0 * mid_bwd, 0.0 * mid_bwd])
-    )
-    layer_parts = layers * (layer_parts_fwd + layer_parts_bwd)
-    extras = jnp.stack([extra_first, 0.0 * extra_first, extra_last])
-    parts = layer_parts[None, :].repeat(3, axis=0).at[:, 0].add(extras)
 
-    # --- pipeline sends ----------------------------------------------------------------------
-    p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
-    # share of stage boundaries that cross nodes: (nodes - 1) of the (pp - 1) boundaries
-    inter = smooth.safe_div(pp_group.nodes - 1.0, plan.pp - 1.0)
-    p2p = comm.send_recv_s(p2p_msg, inter, cluster, params)
+# --- data-parallel sync and optimizer -----------------------------------------------------------
 
-    # --- data-parallel gradient sync -----------------------------------------------------------
+
+def dp_sync_s(comms: CommTimes, plan: PlanArrays):
+    """Gradient sync: one layer's bucket, and what waits for the end of the backward ([3]).
+
+    ZeRO-0 all-reduces gradients, ZeRO-1/2 reduce-scatter them and all-gather the updated
+    16-bit parameters afterwards (overlapped with the next iteration's forward when
+    ``overlap_dp``); ZeRO-3 syncs inside the layer (``zero3_comm_s``). The embedding's
+    gradients sync after the backward on the first and last stage.
+    """
     zero = plan.zero
-    grad_sync = lambda p, grp: (  # noqa: E731
-        zero[0] * comm.all_reduce_s(p * grad_b, grp, cluster, params, tau)
-        + (zero[1] + zero[2]) * comm.reduce_scatter_s(p * grad_b, grp, cluster, params, tau)
-    )
-    bucket = grad_sync(dense_p, dp_group) + grad_sync(expert_p, edp_group)
-    emb_params = model.vocab * model.hidden / plan.tp
-    emb_sync = grad_sync(emb_params, dp_group)
-    param_gather = (zero[1] + zero[2]) * (1.0 - plan.overlap_dp)
-    stage_params = layers * (dense_p + expert_p)
-    gather_after = param_gather * comm.all_gather_s(
-        stage_params * WEIGHT_BYTES, dp_group, cluster, params, tau
-    )
-    dp_after = jnp.stack([gather_after + emb_sync, gather_after, gather_after + emb_sync])
-    layer_bwd_last = jnp.sum(layer_parts_bwd)
+    sharded = zero[1] + zero[2]
+    sync = zero[0] * comms.all_reduce_s + sharded * comms.reduce_scatter_s  # dense, expert, emb
+    gather_after = sharded * (1.0 - plan.overlap_dp) * comms.stage_gather_s
+    after = jnp.stack([gather_after + sync[2], gather_after, gather_after + sync[2]])
+    return sync[0] + sync[1], after
 
-    # --- optimizer (the first stage holds the most parameters) --------------------------------
-    shard = 1.0 - zero[0]  # ZeRO >= 1 shards optimizer states
-    local_opt_params = layers * (
-        dense_p / (1.0 + shard * (plan.dp - 1.0))
-        + expert_p / (1.0 + shard * (plan.dp / plan.ep - 1.0))
-    ) + emb_params / (1.0 + shard * (plan.dp - 1.0))
-    optimizer = kernels.memory_bound_s(
-        local_opt_params * params.optimizer_bytes_per_param, cluster, params
-    )
+
+def optimizer_step_s(work: LayerWork, model, plan, cluster, params: Params):
+    """Optimizer step of the first stage (it holds the most parameters): memory-bound over the
+    local optimizer shard (ZeRO >= 1 shards it over dp, experts over the expert replicas)."""
+    shard = 1.0 - plan.zero[0]
+    dense_shards = 1.0 + shard * (plan.dp - 1.0)
+    expert_shards = 1.0 + shard * (plan.dp / plan.ep - 1.0)
+    layers = model.n_layers / plan.pp
+    local_params = layers * (work.dense_params / dense_shards + work.expert_params / expert_shards)
+    local_params = local_params + work.embedding_params / dense_shards
+    return kernels.memory_bound_s(local_params * params.optimizer_bytes_per_param, cluster, params)
+
+
+def stage_times(model, plan, cluster, params, temperature, grid=None, work=None) -> StageTimes:
+    """Per-stage, per-microbatch times and the units of the pipeline and DP schedule.
+
+    Args:
+        model, plan, cluster, params: array pytrees of one configuration.
+        temperature: relative softness of every max/min (static).
+        grid: shared GEMM shape grids, as in ``simulate``.
+        work: ``workload.layer_work(model, plan)``, computed here when not given.
+
+    Returns:
+        A ``StageTimes``.
+    """
+    work = workload.layer_work(model, plan) if work is None else work
+    groups = place_groups(plan, cluster)
+    comms = comm_times(work, model, plan, groups, cluster, params, temperature)
+    kernel = kernels.kernel_times(work, model, cluster, params, temperature, grid)
+    layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature)
+    fwd, bwd, parts = stage_s(layer_parts, kernel, comms, work, model, plan, cluster, params)
+    bucket, after = dp_sync_s(comms, plan)
+    ones = jnp.ones(3, dtype=fwd.dtype)
     return StageTimes(
         fwd_s=fwd,
         bwd_s=bwd,
         parts=parts,
-        p2p_s=p2p,
-        dp_bucket_s=jnp.stack([bucket, bucket, bucket]),
-        dp_layers=layers,
-        layer_bwd_s=jnp.stack([layer_bwd_last] * 3),
-        dp_after_s=dp_after,
+        p2p_s=comms.p2p_s,
+        dp_bucket_s=bucket * ones,
+        dp_layers=model.n_layers / plan.pp,
+        layer_bwd_s=jnp.sum(layer_parts[1]) * ones,
+        dp_after_s=after,
         n_microbatches=plan.n_microbatches,
         n_stages=plan.pp,
         chunks=plan.chunks,
         overlap_dp=plan.overlap_dp,
         schedule=plan.schedule,
-        optimizer_s=optimizer,
+        optimizer_s=optimizer_step_s(work, model, plan, cluster, params),
         overhead_s=params.iteration_overhead_s,
-        microbatch_overhead_s=host_step,
+        microbatch_overhead_s=params.microbatch_overhead_s,
     )
 
 
@@ -539,11 +595,35 @@ def pipeline_time(st: StageTimes, temperature):
     return pipe + sends + dp, weights, sends, dp
 
 
-def memory(model, plan, cluster, temperature):
-    """Memory per stage kind (first, last): weights, grads, optimizer, activations, buffers."""
+def _in_flight(plan: PlanArrays, temperature):
+    """Microbatches whose activations the first and the last stage hold at once: [2].
+
+    GPipe holds all ``m``; 1F1B ``min(p, m)`` on the first stage and one on the last;
+    interleaving ``min(p (1 + (p - 1) / (p v)), m)`` and ``min(1 + (p - 1) / v, m)``.
+    """
+    p, m, v = plan.pp, plan.n_microbatches, plan.chunks
+    capped = smooth.smin2(
+        jnp.stack([p, p * (1.0 + (p - 1.0) / (p * v)), 1.0 + (p - 1.0) / v]), m, temperature
+    )
+    first = jnp.stack([m, capped[0], capped[1]])
+    last = jnp.stack([m, jnp.ones_like(m), capped[2]])
+    return jnp.stack([jnp.sum(plan.schedule * first), jnp.sum(plan.schedule * last)])
+
+
+def memory(model, plan, cluster, temperature, work=None):
+    """Memory per stage kind (first, last): weights, grads, optimizer, activations, buffers.
+
+    Args:
+        model, plan, cluster: array pytrees of one configuration.
+        temperature: relative softness of the smooth minima (static).
+        work: ``workload.layer_work(model, plan)``, computed here when not given.
+
+    Returns:
+        (weights, grads, optimizer, activations, buffers), bytes per GPU, each [2].
+    """
+    work = workload.layer_work(model, plan) if work is None else work
     layers = model.n_layers / plan.pp
-    dense_p, expert_p = workload.layer_params_local(model, plan)
-    emb = model.vocab * model.hidden / plan.tp
+    dense_p, expert_p, emb = work.dense_params, work.expert_params, work.embedding_params
     multi = _multi_stage(plan.pp)
     # The last stage holds the LM head: its own matrix, or Megatron's copy of a tied embedding.
     head_last = multi * emb
@@ -564,31 +644,13 @@ def memory(model, plan, cluster, temperature):
     # ZeRO-3 holds two gathered layers (current + prefetched)
     weights = weights + z[3] * 2.0 * WEIGHT_BYTES * (dense_p + expert_p)
 
-    act_by_mode = workload.layer_activation_bytes(model, plan)  # [none, selective, full]
-    act_layer = jnp.sum(plan.recompute * act_by_mode)
-    act_full = act_by_mode[0]
-    p, m, v = plan.pp, plan.n_microbatches, plan.chunks
-    in_flight_first = jnp.stack(
-        [
-            m,
-            smooth.smin2(p, m, temperature),
-            smooth.smin2(p * (1.0 + (p - 1.0) / (p * v)), m, temperature),
-        ]
-    )
-    in_flight_last = jnp.stack(
-        [m, jnp.ones_like(m), smooth.smin2(1.0 + (p - 1.0) / v, m, temperature)]
-    )
-    in_flight = jnp.stack(
-        [jnp.sum(plan.schedule * in_flight_first), jnp.sum(plan.schedule * in_flight_last)]
-    )
-    t = workload.tokens(model, plan)
-    logits = LOGIT_BYTES * 2.0 * t * model.vocab / plan.tp
-    act = layers * act_layer * in_flight + plan.recompute[2] * act_full
+    act_layer = jnp.sum(plan.recompute * work.activation_bytes)  # [none, selective, full]
+    act_full = work.activation_bytes[0]
+    logits = LOGIT_BYTES * 2.0 * work.tokens * model.vocab / plan.tp
+    act = layers * act_layer * _in_flight(plan, temperature) + plan.recompute[2] * act_full
     act = act + jnp.stack([(1.0 - multi) * logits, logits])
-    p2p_msg = workload.sp_tokens(model, plan) * model.hidden * ACT_BYTES
-    buffers = 4.0 * p2p_msg + 2.0 * smooth.smin2(
-        grad_b * layers * dense_p, DP_BUCKET_BYTES, temperature
-    )
+    buckets = smooth.smin2(grad_b * layers * dense_p, DP_BUCKET_BYTES, temperature)
+    buffers = 4.0 * work.p2p_msg_bytes + 2.0 * buckets
     buffers = buffers * jnp.ones(2) + RUNTIME_RESERVE_BYTES
     return weights, grads, opt, act, buffers
 
@@ -621,7 +683,8 @@ def simulate(
         >>> bool(b.iteration_s > 0)
         True
     """
-    st = stage_times(model, plan, cluster, params, temperature, grid)
+    work = workload.layer_work(model, plan)
+    st = stage_times(model, plan, cluster, params, temperature, grid, work)
     pipe_dp, weights, sends, dp_exposed = pipeline_time(st, temperature)
     iteration = pipe_dp + st.optimizer_s + st.overhead_s
 
@@ -631,7 +694,7 @@ def simulate(
     host_steps = m * st.microbatch_overhead_s
     bubble = pipe_dp - dp_exposed - jnp.sum(steady) - host_steps - sends
 
-    w, g, o, a, buf = memory(model, plan, cluster, temperature)
+    w, g, o, a, buf = memory(model, plan, cluster, temperature, work)
     per_stage = w + g + o + a + buf
     has_last = _multi_stage(plan.pp)
     peak = smooth.smooth_max(per_stage * jnp.stack([1.0, has_last]), temperature=temperature)

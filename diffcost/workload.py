@@ -1,7 +1,9 @@
 """The work of one transformer layer under a plan's sharding: FLOPs, bytes, activations.
 
 Everything is per GPU and per microbatch unless a name says otherwise, and written for one
-configuration (vmap at the call site). Shapes follow Megatron-LM's sharding:
+configuration (vmap at the call site). ``layer_work`` computes all of it once per (model, plan)
+as a ``LayerWork`` pytree, which the time and memory models share. Shapes follow Megatron-LM's
+sharding:
 
 * tensor parallel (``tp``) splits attention heads and MLP columns/rows;
 * sequence parallel (``sp``, inside the tp group) splits the sequence for norms, dropout and
@@ -17,6 +19,7 @@ References:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -54,13 +57,48 @@ HOST_OPS_PER_LAYER_FWD = 50.0
 class Gemms:
     """GEMMs of one layer's forward on one GPU: arrays of shape [n_gemms] (M x K) @ (K x N)."""
 
-    m: object
-    n: object
-    k: object
+    m: jax.Array
+    n: jax.Array
+    k: jax.Array
 
     @property
     def flops(self):
         return 2.0 * self.m * self.n * self.k
+
+
+@struct.dataclass
+class LayerWork:
+    """What one transformer layer does on one GPU for one microbatch under a plan's sharding.
+
+    Computed once per (model, plan) by ``layer_work`` and shared by the time model
+    (``diffcost.simulate``) and the memory model. Scalars unless a shape is given; token counts
+    in tokens, sizes in bytes, work in FLOPs.
+    """
+
+    tokens: jax.Array  # tokens of the microbatch on one GPU before tp splitting (b s / cp)
+    sp_tokens: jax.Array  # tokens seen by norms, dropout and residuals (split by tp under SP)
+    routed_tokens: jax.Array  # token-expert pairs through one GPU's MLP (dense: the tokens)
+    vocab_local: jax.Array  # LM head columns on one GPU (vocab-parallel over tp)
+    low_precision: jax.Array  # 1 when the layer GEMMs run in FP8/FP4 (``low_precision``)
+    gemms: Gemms  # [5] QKV, attention output, FC1 (gate+up for SwiGLU), FC2, MoE router
+    attention_flops: jax.Array  # forward of softmax(QK^T)V, the full square (model FLOPs)
+    attention_bytes: jax.Array  # forward HBM traffic of the attention core
+    elementwise_bytes: jax.Array  # forward HBM traffic of norms, activation, dropout, residuals
+    cast_fwd_bytes: jax.Array  # FP8/FP4 input casts in forward; 0 in 16 bits
+    cast_bwd_bytes: jax.Array  # FP8/FP4 output-gradient casts in backward; 0 in 16 bits
+    dense_params: jax.Array  # parameters held by one GPU, tp-sharded
+    expert_params: jax.Array  # expert parameters held by one GPU, tp- and ep-sharded
+    embedding_params: jax.Array  # embedding (or untied LM head) parameters on one GPU
+    activation_bytes: jax.Array  # [3] kept for backward, recompute none / selective / full
+    tp_msg_bytes: jax.Array  # one tensor-parallel collective: tokens x hidden, 16-bit
+    kv_msg_bytes: jax.Array  # K and V of every cp rank's tokens, gathered over cp
+    ep_msg_bytes: jax.Array  # one expert all-to-all: routed tokens x hidden, 16-bit
+    p2p_msg_bytes: jax.Array  # one activation send between pipeline stages
+
+    @property
+    def forward_flops(self):
+        """All forward FLOPs of the layer (GEMMs + attention core, model convention)."""
+        return jnp.sum(self.gemms.flops) + self.attention_flops
 
 
 def tokens(model: ModelArrays, plan: PlanArrays):
@@ -68,69 +106,9 @@ def tokens(model: ModelArrays, plan: PlanArrays):
     return plan.microbatch * model.seq_len / plan.cp
 
 
-def sp_tokens(model, plan):
-    """Tokens seen by norms, dropout and residuals: further split by tp when SP is on."""
-    t = tokens(model, plan)
-    return t * (1.0 - plan.sp) + t / plan.tp * plan.sp
-
-
-def head_dim(model):
+def head_dim(model: ModelArrays):
+    """Width of one attention head."""
     return model.hidden / model.heads
-
-
-def routed_tokens(model, plan):
-    """Token-expert pairs processed by one GPU's MLP (dense: the tokens themselves)."""
-    moe = model.experts > 1.0
-    factor = jnp.where(moe, model.top_k * model.capacity_factor, 1.0)
-    return tokens(model, plan) * factor
-
-
-def layer_gemms(model: ModelArrays, plan: PlanArrays) -> Gemms:
-    """QKV, attention output, FC1 (gate+up for SwiGLU), FC2 and the MoE router."""
-    t = tokens(model, plan)
-    tr = routed_tokens(model, plan)
-    h, f, tp = model.hidden, model.ffn_hidden, plan.tp
-    qkv_n = h * (1.0 + 2.0 * model.kv_heads / model.heads) / tp
-    router_n = jnp.where(model.experts > 1.0, model.experts, 0.0)
-    m = jnp.stack([t, t, tr, tr, t])
-    n = jnp.stack([qkv_n, h, f * (1.0 + model.swiglu) / tp, h, router_n])
-    k = jnp.stack([h, h / tp, h, f / tp, h])
-    return Gemms(m=m, n=n, k=k)
-
-
-def attention_flops(model: ModelArrays, plan: PlanArrays):
-    """Forward FLOPs of ``softmax(QK^T)V`` on one GPU, counting the full (non-causal) square.
-
-    This is the model-FLOP convention (Narayanan et al.); fused causal kernels execute about
-    half of it, which the kernel model accounts for.
-    """
-    heads_local = model.heads / plan.tp
-    q = tokens(model, plan)
-    return (
-        4.0
-        * plan.microbatch
-        * heads_local
-        * (q / plan.microbatch)
-        * model.seq_len
-        * (head_dim(model))
-    )
-
-
-def attention_bytes(model: ModelArrays, plan: PlanArrays):
-    """HBM traffic of the attention core, forward: Q, K, V, O, plus the scores when unfused."""
-    heads_local = model.heads / plan.tp
-    q = tokens(model, plan)
-    qkvo = ACT_BYTES * q * head_dim(model) * (2.0 * heads_local + 2.0 * model.kv_heads / plan.tp)
-    scores = _SCORE_PASSES * ACT_BYTES * heads_local * q * model.seq_len
-    return qkvo + (1.0 - model.flash) * scores
-
-
-def elementwise_bytes(model: ModelArrays, plan: PlanArrays):
-    """HBM traffic of norms, activation function, dropout and residuals in one layer forward."""
-    ts = sp_tokens(model, plan)
-    tr = routed_tokens(model, plan)
-    act = (2.0 + model.swiglu) * tr * model.ffn_hidden / plan.tp
-    return ACT_BYTES * (_ELEMENTWISE_PASSES_H * ts * model.hidden + act)
 
 
 def low_precision(model: ModelArrays):
@@ -138,21 +116,115 @@ def low_precision(model: ModelArrays):
     return sum(model.precision[i] for i in _LOW)
 
 
-def cast_bytes(model: ModelArrays, g: Gemms):
+def _token_counts(model: ModelArrays, plan: PlanArrays):
+    """(tokens, sp tokens, routed tokens) of one microbatch on one GPU (see ``LayerWork``).
+
+    Sequence parallelism splits the norm, dropout and residual tokens by tp; an MoE MLP
+    processes ``top_k * capacity_factor`` token-expert pairs per token.
+    """
+    t = tokens(model, plan)
+    sp_t = t * (1.0 - plan.sp) + t / plan.tp * plan.sp
+    routing = jnp.where(model.experts > 1.0, model.top_k * model.capacity_factor, 1.0)
+    return t, sp_t, t * routing
+
+
+def _gemms(model: ModelArrays, plan: PlanArrays, t, routed) -> Gemms:
+    """QKV, attention output, FC1 (gate+up for SwiGLU), FC2 and the MoE router."""
+    h, f, tp = model.hidden, model.ffn_hidden, plan.tp
+    qkv_n = h * (1.0 + 2.0 * model.kv_heads / model.heads) / tp
+    router_n = jnp.where(model.experts > 1.0, model.experts, 0.0)
+    m = jnp.stack([t, t, routed, routed, t])
+    n = jnp.stack([qkv_n, h, f * (1.0 + model.swiglu) / tp, h, router_n])
+    k = jnp.stack([h, h / tp, h, f / tp, h])
+    return Gemms(m=m, n=n, k=k)
+
+
+def _attention_flops(model: ModelArrays, plan: PlanArrays, t):
+    """Forward FLOPs of ``softmax(QK^T)V`` on one GPU, counting the full (non-causal) square.
+
+    This is the model-FLOP convention (Narayanan et al.); fused causal kernels execute about
+    half of it, which the kernel model accounts for.
+    """
+    heads_local = model.heads / plan.tp
+    per_key = 4.0 * plan.microbatch * heads_local * (t / plan.microbatch)
+    return per_key * model.seq_len * head_dim(model)
+
+
+def _attention_bytes(model: ModelArrays, plan: PlanArrays, t):
+    """HBM traffic of the attention core, forward: Q, K, V, O, plus the scores when unfused."""
+    heads_local = model.heads / plan.tp
+    qkvo = ACT_BYTES * t * head_dim(model) * (2.0 * heads_local + 2.0 * model.kv_heads / plan.tp)
+    scores = _SCORE_PASSES * ACT_BYTES * heads_local * t * model.seq_len
+    return qkvo + (1.0 - model.flash) * scores
+
+
+def _elementwise_bytes(model: ModelArrays, plan: PlanArrays, sp_t, routed):
+    """HBM traffic of norms, activation function, dropout and residuals in one layer forward."""
+    act = (2.0 + model.swiglu) * routed * model.ffn_hidden / plan.tp
+    return ACT_BYTES * (_ELEMENTWISE_PASSES_H * sp_t * model.hidden + act)
+
+
+def _cast_bytes(low, g: Gemms):
     """HBM traffic of FP8/FP4 input casts in one layer: (forward, backward); 0 in 16 bits.
 
-    ``g`` is ``layer_gemms(model, plan)``. Covers the QKV, attention output, FC1 and FC2 GEMMs;
-    the MoE router (the last GEMM) stays in 16 bits.
+    Covers the QKV, attention output, FC1 and FC2 GEMMs; the MoE router (the last GEMM) stays
+    in 16 bits.
     """
-    low = low_precision(model)
     fwd = jnp.sum(g.m[:4] * g.k[:4])  # inputs (m x k)
     bwd = jnp.sum(g.m[:4] * g.n[:4])  # output gradients (m x n)
     return low * _CAST_BYTES_PER_ELEMENT * fwd, low * _CAST_BYTES_PER_ELEMENT * bwd
 
 
+def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
+    """The work of one layer on one GPU for one microbatch, every quantity computed once.
+
+    Args:
+        model, plan: array pytrees of one configuration (``diffcost.arrays``).
+
+    Returns:
+        A ``LayerWork``.
+
+    Examples:
+        >>> from diffcost import api
+        >>> exp = api.load("configs/examples/gpt3-175b.yaml")
+        >>> model, plan, _ = api.experiment_arrays(exp)
+        >>> work = layer_work(model, plan)
+        >>> float(work.tokens) == float(plan.microbatch * model.seq_len / plan.cp)
+        True
+    """
+    t, sp_t, routed = _token_counts(model, plan)
+    low = low_precision(model)
+    gemms = _gemms(model, plan, t, routed)
+    cast_fwd, cast_bwd = _cast_bytes(low, gemms)
+    dense, experts = layer_params_local(model, plan)
+    return LayerWork(
+        tokens=t,
+        sp_tokens=sp_t,
+        routed_tokens=routed,
+        vocab_local=model.vocab / plan.tp,
+        low_precision=low,
+        gemms=gemms,
+        attention_flops=_attention_flops(model, plan, t),
+        attention_bytes=_attention_bytes(model, plan, t),
+        elementwise_bytes=_elementwise_bytes(model, plan, sp_t, routed),
+        cast_fwd_bytes=cast_fwd,
+        cast_bwd_bytes=cast_bwd,
+        dense_params=dense,
+        expert_params=experts,
+        embedding_params=model.vocab * model.hidden / plan.tp,
+        activation_bytes=_activation_bytes(model, plan, t, sp_t, routed),
+        tp_msg_bytes=t * model.hidden * ACT_BYTES,
+        kv_msg_bytes=2.0 * t * plan.cp * model.kv_heads * head_dim(model) / plan.tp * ACT_BYTES,
+        ep_msg_bytes=routed * model.hidden * ACT_BYTES,
+        p2p_msg_bytes=sp_t * model.hidden * ACT_BYTES,
+    )
+
+
 def layer_forward_flops(model: ModelArrays, plan: PlanArrays):
     """All forward FLOPs of one layer on one GPU (GEMMs + attention core, model convention)."""
-    return jnp.sum(layer_gemms(model, plan).flops) + attention_flops(model, plan)
+    t, _, routed = _token_counts(model, plan)
+    gemms = _gemms(model, plan, t, routed)
+    return jnp.sum(gemms.flops) + _attention_flops(model, plan, t)
 
 
 def head_forward_flops(model: ModelArrays, plan: PlanArrays):
@@ -190,6 +262,14 @@ class ParamCounts:
 
 
 def param_counts(model: ModelArrays) -> ParamCounts:
+    """Parameters of the whole model by kind: attention, MLP (dense or experts), norms, embeddings.
+
+    Args:
+        model: array pytree of one model.
+
+    Returns:
+        A ``ParamCounts`` of unsharded counts.
+    """
     h, f = model.hidden, model.ffn_hidden
     kv = model.kv_heads / model.heads
     attention = h * h * (2.0 + 2.0 * kv) + model.bias * h * (2.0 + 2.0 * kv)
@@ -219,22 +299,27 @@ def layer_params_local(model: ModelArrays, plan: PlanArrays):
 def layer_activation_bytes(model: ModelArrays, plan: PlanArrays):
     """Activation bytes one layer keeps for backward, per microbatch: [none, selective, full].
 
+    ``layer_work(model, plan).activation_bytes``, for callers that need nothing else.
+    """
+    return _activation_bytes(model, plan, *_token_counts(model, plan))
+
+
+def _activation_bytes(model: ModelArrays, plan: PlanArrays, t, sp_t, routed):
+    """Activation bytes one layer keeps for backward, per microbatch: [none, selective, full].
+
     Korthikanti et al. Table 2 generalized to GQA, SwiGLU and MoE: ``10 h`` per token split by
     SP, attention ``2 h (1 + 2 kv/heads) + 2 h`` and MLP inner activations split by tp, scores
     ``5 a s`` per token split by tp (absent with fused attention, and under selective
     recompute). Full recompute keeps only each layer's input.
     """
-    t = tokens(model, plan)
-    ts = sp_tokens(model, plan)
-    tr = routed_tokens(model, plan)
     h, f = model.hidden, model.ffn_hidden
     kv = model.kv_heads / model.heads
-    split_sp = _SP_SPLIT_ACT_PER_H * ts * h
+    split_sp = _SP_SPLIT_ACT_PER_H * sp_t * h
     attn = t * (2.0 * h * (1.0 + 2.0 * kv) + 2.0 * h) / plan.tp
-    mlp = tr * (ACT_BYTES * f * (1.0 + model.swiglu) + ACT_BYTES * f) / plan.tp
-    mlp = mlp + (tr - t) * ACT_BYTES * h / plan.tp  # routed copies of the MLP input
+    mlp = routed * (ACT_BYTES * f * (1.0 + model.swiglu) + ACT_BYTES * f) / plan.tp
+    mlp = mlp + (routed - t) * ACT_BYTES * h / plan.tp  # routed copies of the MLP input
     scores = _SCORE_ACT_BYTES * model.heads / plan.tp * t * model.seq_len * (1.0 - model.flash)
     selective = split_sp + attn + mlp
     none = selective + scores
-    full = ACT_BYTES * ts * h
+    full = ACT_BYTES * sp_t * h
     return jnp.stack([none, selective, full])

@@ -110,13 +110,14 @@ def test_fp8_casts_count_each_gemm_input_and_output_gradient():
     """4 B per element (read bf16, write FP8 and its transpose); nothing in 16 bits."""
     plan = PLANS["tp4pp2"]
     m16, p, _ = arrays(GPT, plan)
-    g = workload.layer_gemms(m16, p)
-    assert [float(b) for b in workload.cast_bytes(m16, g)] == [0.0, 0.0]
+    work16 = workload.layer_work(m16, p)
+    assert [float(work16.cast_fwd_bytes), float(work16.cast_bwd_bytes)] == [0.0, 0.0]
     m8, p, _ = arrays(dataclasses.replace(GPT, precision="fp8"), plan)
     t, h, f, tp = plan.microbatch * GPT.seq_len, GPT.hidden, GPT.ffn_hidden, plan.tp
     inputs = t * (h + h / tp + h + f / tp)  # QKV, attention output, FC1, FC2
     output_grads = t * (3 * h / tp + h + f / tp + h)
-    fwd, bwd = workload.cast_bytes(m8, workload.layer_gemms(m8, p))
+    work8 = workload.layer_work(m8, p)
+    fwd, bwd = work8.cast_fwd_bytes, work8.cast_bwd_bytes
     assert float(fwd) == pytest.approx(4 * inputs, rel=1e-12)
     assert float(bwd) == pytest.approx(4 * output_grads, rel=1e-12)
 
