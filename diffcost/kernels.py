@@ -79,21 +79,38 @@ def _grid_coord(d, size, log2_lo=GEMM_GRID_LOG2_LO):
     return i.astype(jnp.int32), x - i
 
 
-def _corners(size, cm, cn, ck, row=None):
-    """Flat indices and weights ``[..., 8]`` of the 8 grid corners around each shape; ``size``
-    is the grid's side (a cube) or its three sides."""
-    s0, s1, s2 = (size,) * 3 if isinstance(size, int) else size
+def _cell_corners(table):
+    """The 8 corner values of every grid cell, ``[rows * cells, 8]`` from ``table [..., s0, s1,
+    s2]``: cell ``(i (s1 - 1) + j) (s2 - 1) + k`` of row ``r`` is entry ``r * cells + cell``,
+    corners ordered ``(di, dj, dk)`` as the weights of ``_interpolate``. Reading a cell is then one
+    gather of a contiguous row rather than eight scattered ones (the sweep's hot spot)."""
+    s0, s1, s2 = table.shape[-3:]
+    corners = [
+        table[..., di : di + s0 - 1, dj : dj + s1 - 1, dk : dk + s2 - 1]
+        for di in (0, 1)
+        for dj in (0, 1)
+        for dk in (0, 1)
+    ]
+    return jnp.stack(corners, axis=-1).reshape(-1, 8)
+
+
+def _interpolate(table, cm, cn, ck, row=None):
+    """Trilinear interpolation of ``table`` at grid coordinates ``(cell index, fraction)`` per
+    dimension (``_grid_coord``; arrays of one shape), in row ``row`` of a table with a leading
+    axis. One gather of each cell's 8 corners (in range by construction of ``_grid_coord``, so
+    without bound checks), then the weighted sum corner by corner: weights stacked on a small
+    trailing axis make a batched sweep several times slower."""
+    s0, s1, s2 = table.shape[-3:]
     (i, a), (j, b), (q, c) = cm, cn, ck
-    base = (i * s1 + j) * s2 + q
+    cell = (i * (s1 - 1) + j) * (s2 - 1) + q
     if row is not None:
-        base = base + row.astype(base.dtype) * (s0 * s1 * s2)
-    corners, weights = [], []
-    for di, wi in ((0, 1.0 - a), (1, a)):
-        for dj, wj in ((0, 1.0 - b), (1, b)):
-            for dl, wl in ((0, 1.0 - c), (1, c)):
-                corners.append(base + (di * s1 + dj) * s2 + dl)
-                weights.append(wi * wj * wl)
-    return jnp.stack(corners, axis=-1), jnp.stack(weights, axis=-1)
+        cell = cell + row.astype(cell.dtype) * ((s0 - 1) * (s1 - 1) * (s2 - 1))
+    values = _cell_corners(table).at[cell].get(mode="promise_in_bounds")
+    weights = (wi * wj * wl for wi in (1.0 - a, a) for wj in (1.0 - b, b) for wl in (1.0 - c, c))
+    out = 0.0
+    for corner, weight in enumerate(weights):
+        out = out + values[..., corner] * weight
+    return out
 
 
 def _coords(table, m, n, k, row=None):
@@ -110,8 +127,7 @@ def shape_log_eff(table, m, n, k, row=None):
     clamped at the edges) at GEMM shapes ``(m, n, k)`` (arrays broadcast). With ``row``, the
     table has a leading axis and each shape reads its own ``table[row]``."""
     (cm, cn, ck), row = _coords(table, m, n, k, row)
-    idx, w = _corners(table.shape[-1], cm, cn, ck, row)
-    return jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
+    return _interpolate(table, cm, cn, ck, row)
 
 
 def shape_log_effs(table, m, n, k, row=None):
@@ -119,11 +135,11 @@ def shape_log_effs(table, m, n, k, row=None):
     and wgrad ``(k, n, m)``: one set of grid coordinates and one gather (a prediction is many
     small operations on the CPU, so fewer of them is faster). ``row`` as in ``shape_log_eff``."""
     (cm, cn, ck), row = _coords(table, m, n, k, row)
-    size = table.shape[-1]
-    parts = [_corners(size, *c, row) for c in ((cm, cn, ck), (cm, ck, cn), (ck, cn, cm))]
-    idx = jnp.stack([p[0] for p in parts])
-    w = jnp.stack([p[1] for p in parts])
-    fwd, dgrad, wgrad = jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
+    stack = lambda *cs: tuple(jnp.stack(parts) for parts in zip(*cs))  # noqa: E731
+    rows = None if row is None else jnp.stack([row] * 3)
+    fwd, dgrad, wgrad = _interpolate(
+        table, stack(cm, cm, ck), stack(cn, ck, cn), stack(ck, cn, cm), rows
+    )
     return fwd, dgrad, wgrad
 
 
@@ -169,8 +185,7 @@ def layer_log_time(table, tokens, width, tp, log2_lo=LAYER_GRID_LOG2_LO):
         _grid_coord(jnp.asarray(v, dtype=table.dtype), size, lo)
         for v, size, lo in zip((tokens, width, tp), table.shape, log2_lo)
     ]
-    idx, w = _corners(table.shape, *coords)
-    return jnp.sum(table.reshape(-1)[idx] * w, axis=-1)
+    return _interpolate(table, *coords)
 
 
 def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):
