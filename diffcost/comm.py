@@ -252,8 +252,15 @@ def collective_s(name: str, msg_bytes, group: Placement, cluster, params, temper
     Returns:
         Seconds, shaped like ``msg_bytes`` broadcast with the group.
     """
-    spec = COLLECTIVES[name]
     links = group_links(group, cluster, params, temperature)
+    return collective_links_s(name, msg_bytes, links, params, temperature)
+
+
+def collective_links_s(name: str, msg_bytes, links: GroupLinks, params, temperature):
+    """``collective_s`` over a group whose ``GroupLinks`` are already known (a caller costing
+    several collectives on one group computes them once)."""
+    spec = COLLECTIVES[name]
+    group = links.group
     steps = [spec.traffic * ALGORITHMS[a](msg_bytes, links, params) for a in spec.algorithms]
     step = steps[0]
     if len(steps) > 1:
@@ -282,28 +289,14 @@ def all_gather_s(msg_bytes, group: Placement, cluster, params, temperature):
     return collective_s("all_gather", msg_bytes, group, cluster, params, temperature)
 
 
-def collectives_s(requests, cluster, params, temperature) -> list:
-    """Times of many collectives, each kind costed in one vectorized ``collective_s`` call.
+def collectives_s(requests, params, temperature) -> list:
+    """Times of many collectives: ``(name, msg_bytes, links)`` each, ``links`` the group's
+    ``GroupLinks`` (see ``collective_links_s``); a list in the requests' order.
 
-    Args:
-        requests: a sequence of ``(name, msg_bytes, group)``, ``name`` a key of
-            ``COLLECTIVES``, ``msg_bytes`` a scalar, ``group`` a scalar ``Placement``.
-        cluster, params, temperature: as in ``collective_s``.
-
-    Returns:
-        A list of seconds, one per request and in its order.
+    Each is costed on its own scalars: stacking them on a small trailing axis would save
+    operations in one prediction but slows a batched sweep, which vectorizes over the batch.
     """
-    out = [None] * len(requests)
-    for name in COLLECTIVES:
-        picked = [i for i, r in enumerate(requests) if r[0] == name]
-        if not picked:
-            continue
-        msg_bytes = jnp.stack([requests[i][1] for i in picked])
-        group = jax.tree_util.tree_map(lambda *f: jnp.stack(f), *(requests[i][2] for i in picked))
-        times = collective_s(name, msg_bytes, group, cluster, params, temperature)
-        for j, i in enumerate(picked):
-            out[i] = times[j]
-    return out
+    return [collective_links_s(n, msg, links, params, temperature) for n, msg, links in requests]
 
 
 def _call_overhead(msg_bytes, n, params):
@@ -314,15 +307,21 @@ def _call_overhead(msg_bytes, n, params):
 
 def all_to_all_s(msg_bytes, group: Placement, cluster, params, temperature):
     """All-to-all where every rank holds ``msg_bytes`` and keeps ``1/n`` of it."""
-    nvl_Bps, nic_Bps, nvl_lat, nic_lat = _link_rates(cluster, params, group.per_node)
-    n, k = group.size, group.per_node
+    links = group_links(group, cluster, params, temperature)
+    return all_to_all_links_s(msg_bytes, links, params)
+
+
+def all_to_all_links_s(msg_bytes, links: GroupLinks, params):
+    """``all_to_all_s`` over a group whose ``GroupLinks`` are already known: the ``k - 1``
+    ranks of the node over NVLink, the ``n - k`` others over the NIC share."""
+    n, k = links.group.size, links.group.per_node
     present = _present(msg_bytes)
     intra = (k - 1.0) / n * msg_bytes
     inter = (n - k) / n * msg_bytes
     return (
-        _transfer(intra, nvl_Bps, params)
-        + _transfer(inter, nic_Bps, params)
-        + present * ((k - 1.0) * nvl_lat + (n - k) / k * nic_lat)
+        _transfer(intra, links.nvlink_Bps, params)
+        + _transfer(inter, links.nic_Bps, params)
+        + present * ((k - 1.0) * links.nvlink_latency_s + (n - k) / k * links.nic_latency_s)
         + _call_overhead(msg_bytes, n, params)
     )
 

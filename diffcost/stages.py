@@ -104,25 +104,28 @@ def _strides(plan: PlanArrays):
 
 @struct.dataclass
 class Groups:
-    """Placement of one group of each parallel dimension (``comm.Placement``, scalar fields)."""
+    """Placement and links of one group of each parallel dimension (``comm.GroupLinks``)."""
 
-    tp: comm.Placement
-    cp: comm.Placement
-    dp: comm.Placement
-    pp: comm.Placement
-    ep: comm.Placement  # expert parallel: inside the data-parallel group
-    edp: comm.Placement  # expert data parallel: replicas of one expert shard
+    tp: comm.GroupLinks
+    cp: comm.GroupLinks
+    dp: comm.GroupLinks
+    pp: comm.GroupLinks
+    ep: comm.GroupLinks  # expert parallel: inside the data-parallel group
+    edp: comm.GroupLinks  # expert data parallel: replicas of one expert shard
 
 
-def place_groups(plan: PlanArrays, cluster: ClusterArrays) -> Groups:
-    """Where each parallel dimension's groups sit, from the plan's rank order (one ``place``)."""
+def place_groups(plan: PlanArrays, cluster: ClusterArrays, params: Params, temperature) -> Groups:
+    """Where each parallel dimension's groups sit, from the plan's rank order, and the links
+    they use: one ``comm.place`` and one ``comm.group_links`` for all six."""
     tp_stride, cp_stride, dp_stride, pp_stride = _strides(plan)
     degrees = jnp.stack([plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.dp / plan.ep])
     strides = jnp.stack(
         [tp_stride, cp_stride, dp_stride, pp_stride, dp_stride, dp_stride * plan.ep]
     )
     placed = comm.place(degrees, strides, cluster.gpus_per_node)
-    pick = lambda i: jax.tree_util.tree_map(lambda field: field[i], placed)  # noqa: E731
+    links = comm.group_links(placed, cluster, params, temperature)
+    # fields that do not depend on the group (the NIC's rate and latency) stay scalars
+    pick = lambda i: jax.tree_util.tree_map(lambda f: f[i] if jnp.ndim(f) else f, links)  # noqa: E731
     return Groups(*(pick(i) for i in range(6)))
 
 
@@ -150,7 +153,7 @@ def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, te
     Args:
         work: ``workload.layer_work(model, plan)``.
         model, plan, cluster, params: array pytrees of one configuration.
-        groups: ``place_groups(plan, cluster)``.
+        groups: ``place_groups(plan, cluster, params, temperature)``.
         temperature: relative softness (static).
 
     Returns:
@@ -177,18 +180,16 @@ def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, te
             (name, experts * grads, groups.edp),
             (name, embedding * grads, groups.dp),
         ]
-    t = comm.collectives_s(requests, cluster, params, temperature)
+    t = comm.collectives_s(requests, params, temperature)
     # share of stage boundaries that cross nodes: (nodes - 1) of the (pp - 1) boundaries
-    inter_node = smooth.safe_div(groups.pp.nodes - 1.0, plan.pp - 1.0)
+    inter_node = smooth.safe_div(groups.pp.group.nodes - 1.0, plan.pp - 1.0)
     return CommTimes(
         tp_all_gather_s=t[0],
         tp_reduce_scatter_s=t[1],
         tp_all_reduce_s=t[2],
         loss_all_reduce_s=t[3],
         cp_all_gather_s=t[4],
-        ep_all_to_all_s=comm.all_to_all_s(
-            work.ep_msg_bytes, groups.ep, cluster, params, temperature
-        ),
+        ep_all_to_all_s=comm.all_to_all_links_s(work.ep_msg_bytes, groups.ep, params),
         zero3_gather_s=t[5] + t[6],
         zero3_scatter_s=t[7] + t[8],
         stage_gather_s=t[9],
@@ -377,7 +378,7 @@ def stage_times(model, plan, cluster, params, temperature, grid=None, work=None)
         A ``StageTimes``.
     """
     work = workload.layer_work(model, plan) if work is None else work
-    groups = place_groups(plan, cluster)
+    groups = place_groups(plan, cluster, params, temperature)
     comms = comm_times(work, model, plan, groups, cluster, params, temperature)
     kernel = kernels.kernel_times(work, model, cluster, params, temperature, grid)
     layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature)
