@@ -15,8 +15,8 @@
    the backward (ZeRO-1/2 parameter gathers, embedding gradients).
 4. **Optimizer step** (``optimizer_step_s``), memory-bound over the local optimizer shard.
 
-Every collective of the iteration is costed in one place (``comm_times``), on the groups the
-plan's rank order places (``place_groups``). ``diffcost.simulate`` schedules the result.
+Every collective of the iteration is listed and costed in one place (``comm_times``), on the
+groups the plan's rank order places (``place_groups``). ``diffcost.simulate`` schedules the result.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class CommTimes:
 
 
 def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, temperature):
-    """``CommTimes`` of one iteration: its collectives costed together (``comm.collectives_s``).
+    """``CommTimes`` of one iteration: each collective on its group's shared ``GroupLinks``.
 
     Args:
         work: ``workload.layer_work(model, plan)``.
