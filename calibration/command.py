@@ -20,11 +20,13 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 
 from calibration import fit as fit_mod
 from calibration.readers import load
 from calibration.records import Measurements
 from diffcost import profiles as prof
+from diffcost.cli.common import make_table, print_json
 from diffcost.config import load_cluster
 from diffcost.gpus import cluster_family
 
@@ -173,30 +175,24 @@ def _found(meas: Measurements) -> str:
     return ", ".join(parts) if parts else "no usable rows"
 
 
-def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+def _measurements(args) -> tuple[Measurements, Measurements]:
+    """Every usable record in the files, and those of the clusters to calibrate.
 
-    console = Console(stderr=args.json)
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps}: must be at least 1")
-    for name in args.cluster:
-        load_cluster(name)  # an unknown preset fails here, with suggestions
-    paths = output_paths(args.cluster, args.out)
+    Raises:
+        ValueError: no measurement of those clusters in the files.
+    """
     everything = load(args.data, cluster=args.cluster)
     meas = select(everything, args.cluster)
-    counts = {"e2e": len(meas.e2e), "collectives": len(meas.collectives), "gemm": len(meas.gemms)}
-    if not any(counts.values()):
+    if not (meas.e2e or meas.collectives or meas.gemms):
         raise ValueError(
             f"no measurements for {', '.join(args.cluster)} in {', '.join(map(str, args.data))}"
             f"; the files hold: {_found(everything)}"
         )
-    problem = fit_mod.build_problem(meas)
-    start, start_notes = {}, {}
-    for name in problem.clusters:
-        start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
-    cfg = fit_mod.FitConfig(steps=args.steps)
-    result = fit_mod.fit(meas, cfg, not args.json, problem, start)
+    return everything, meas
+
+
+def _write_profiles(args, paths: dict, result: fit_mod.FitResult, start_notes: dict) -> list:
+    """Write one profile per calibrated cluster with fitted constants; the paths written."""
     written = []
     for name, path in paths.items():
         if name not in result.cluster_values:
@@ -210,6 +206,11 @@ def run(args) -> int:
             "command": "diffcost calibrate",
         }
         written.append(prof.write_profile(path, fitted_values(result, name), meta))
+    return written
+
+
+def _summary(args, meas, result: fit_mod.FitResult, start: dict, start_notes: dict, written):
+    """The JSON summary of ``calibrate --json`` (also what the tables are printed from)."""
     rows = {
         level: {
             "rows": int(resid.size),
@@ -223,7 +224,7 @@ def run(args) -> int:
         for name in args.cluster
         if name in result.cluster_values
     }
-    summary = {
+    return {
         "clusters": args.cluster,
         "started_from": {c: start_notes[c] for c in args.cluster if c in start_notes},
         "rows": rows,
@@ -240,11 +241,12 @@ def run(args) -> int:
         "device": result.device_values,
         "cluster": result.cluster_values,
     }
-    if args.json:
-        import json
 
-        print(json.dumps(summary, indent=2))
-        return 0
+
+def _print_report(args, summary: dict, everything: Measurements, cfg: fit_mod.FitConfig) -> None:
+    """Skipped rows, unused data, MAPE before and after, convergence, the constants that moved
+    most, and the files written."""
+    console = Console()
     for line in summary["skipped"]:
         console.print(f"skipped {line}")
     families = {cluster_family(c) for c in args.cluster}
@@ -257,37 +259,67 @@ def run(args) -> int:
     )
     if others != "no usable rows":
         console.print(f"not used (other clusters or GPUs): {others}")
-    t = Table(title=f"calibration of {', '.join(args.cluster)}")
-    for col in ("level", "rows", "MAPE before %", "MAPE after %"):
-        t.add_column(col, justify="right" if col != "level" else "left")
-    for level, r in rows.items():
-        t.add_row(
-            level, str(r["rows"]), f"{r['mape_before_pct']:.1f}", f"{r['mape_after_pct']:.1f}"
-        )
-    console.print(t)
-    for name in args.cluster:
-        if name in start_notes:
-            console.print(f"{name} started from: {start_notes[name]} (the 'before' column)")
+    levels = [
+        (level, str(r["rows"]), f"{r['mape_before_pct']:.1f}", f"{r['mape_after_pct']:.1f}")
+        for level, r in summary["rows"].items()
+    ]
+    title = f"calibration of {', '.join(args.cluster)}"
+    console.print(make_table(title, ("level", "rows", "MAPE before %", "MAPE after %"), levels))
+    for name, note in summary["started_from"].items():
+        console.print(f"{name} started from: {note} (the 'before' column)")
     stop = (
-        f"converged after {result.steps} steps (loss changed < {cfg.tol:g} over "
+        f"converged after {summary['steps']} steps (loss changed < {cfg.tol:g} over "
         f"{cfg.patience} steps)"
-        if result.converged
-        else f"stopped at the step limit, {result.steps} steps (not converged: raise --steps)"
+        if summary["converged"]
+        else f"stopped at the step limit, {summary['steps']} steps (not converged: raise --steps)"
     )
-    console.print(f"{stop}, {result.seconds:.1f} s")
-    for name, rows_moved in changes.items():
+    console.print(f"{stop}, {summary['seconds']:.1f} s")
+    for name, rows_moved in summary["moved"].items():
         if not rows_moved:
             console.print(f"{name}: no constant moved")
             continue
-        m = Table(title=f"{name}: constants that moved most")
-        for col in ("constant", "before", "after"):
-            m.add_column(col, justify="left" if col == "constant" else "right")
-        for label, b, a in rows_moved:
-            m.add_row(label, *moved_cells(label, b, a))
-        console.print(m)
-    for p in written:
+        cells = [
+            (r["constant"], *moved_cells(r["constant"], r["before"], r["after"]))
+            for r in rows_moved
+        ]
+        title = f"{name}: constants that moved most"
+        console.print(make_table(title, ("constant", "before", "after"), cells))
+    for p in summary["written"]:
         console.print(f"wrote {p} (use it with --profile {p})")
     for name in args.cluster:
-        if name not in result.cluster_values:
+        if name not in summary["cluster"]:
             console.print(f"no measurements of {name} in the files: no profile written for it")
+
+
+def run(args) -> int:
+    """``diffcost calibrate``: fit, write one profile per cluster, report before and after.
+
+    Args:
+        args: the parsed ``calibrate`` arguments (``calibration.cli.register``).
+
+    Returns:
+        0.
+
+    Raises:
+        ValueError: ``--steps`` below 1, a bad ``--out``, or no usable measurement.
+        ConfigError: an unknown cluster preset.
+    """
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be at least 1")
+    for name in args.cluster:
+        load_cluster(name)  # an unknown preset fails here, with suggestions
+    paths = output_paths(args.cluster, args.out)
+    everything, meas = _measurements(args)
+    problem = fit_mod.build_problem(meas)
+    start, start_notes = {}, {}
+    for name in problem.clusters:
+        start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
+    cfg = fit_mod.FitConfig(steps=args.steps)
+    result = fit_mod.fit(meas, cfg, not args.json, problem, start)
+    written = _write_profiles(args, paths, result, start_notes)
+    summary = _summary(args, meas, result, start, start_notes, written)
+    if args.json:
+        print_json(summary)
+    else:
+        _print_report(args, summary, everything, cfg)
     return 0

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffcost import smooth
-from diffcost.arrays import GiB
 from diffcost.cache import fast_compile_jit
 from diffcost.params import BY_LEAF, CONSTANTS, Params
 from diffcost.simulate import STATUS_NAMES, simulate
@@ -222,62 +221,3 @@ def elasticities(
 def _round(value) -> float:
     """A human value to 6 significant digits (no float32 noise such as 80.0000012)."""
     return float(f"{float(value):.6g}")
-
-
-def format_value(value: float, unit: str) -> str:
-    """``312 TFLOP/s``, ``80%``, ``1x``."""
-    text = f"{value:.4g}"
-    if unit in ("%", "x"):
-        return text + unit
-    return f"{text} {unit}" if unit else text
-
-
-def format_elasticity(e: float) -> str:
-    """``-0.62``, ``+0.15``, ``0.00``."""
-    text = f"{e:+.2f}"
-    return "0.00" if text in ("+0.00", "-0.00") else text
-
-
-def reading(e: float, value: float | None = None, unit: str | None = None) -> str:
-    """``+10% -> -6.0% time``: the change of a 10% larger parameter (exact for a power law).
-    A percentage within 10% of 100 (an efficiency of 95%) cannot grow by a tenth: it reads
-    ``+1 pt -> ...``, one percentage point more."""
-    if unit == "%" and value is not None and 100.0 / 1.1 < value < 100.0:
-        return f"+1 pt → {((1.0 + 1.0 / value) ** e - 1.0) * 100.0:+.1f}% time"
-    return f"+10% → {(1.1**e - 1.0) * 100.0:+.1f}% time"
-
-
-def print_table(exp: Experiment, d: dict, top: int | None = None) -> None:
-    """Rich table of ``explain``'s result."""
-    from rich.console import Console
-    from rich.table import Table
-
-    title = (
-        f"d ln T / d ln x: {exp.model.name} on {exp.cluster.name}, {exp.plan.n_gpus} GPUs, "
-        f"iteration {d['iteration_s']:.4g} s"
-    )
-    if d["status"] == "oom":
-        title += (
-            f" [red]OUT OF MEMORY: peak {d['memory_peak_bytes'] / GiB:.1f} GiB of "
-            f"{d['memory_capacity_bytes'] / GiB:.0f} GiB ({-d['memory_headroom_bytes'] / GiB:.1f}"
-            " GiB over)[/]"
-        )
-    elif d["status"] == "invalid":
-        title += " [red]INVALID PLAN[/]"
-    t = Table(title=title)
-    t.add_column("parameter")
-    t.add_column("value", justify="right")
-    t.add_column("elasticity", justify="right")
-    t.add_column("reading")
-    for r in d["elasticities"][:top]:
-        name = r["name"] if r["group"] == _HARDWARE else f"[dim]{r['name']}[/]"
-        e = r["elasticity"]
-        t.add_row(
-            name,
-            format_value(r["value"], r["unit"]),
-            format_elasticity(e),
-            reading(e, r["value"], r["unit"]),
-        )
-    console = Console()
-    console.print(t)
-    console.print(f"[dim]dim rows: calibrated constants; {d['constants']}[/]")

@@ -9,9 +9,11 @@ compiled once per (devices, temperature) and, inside that, once per chunk size a
 The result is the same ``Breakdown`` as ``simulate`` returns, with numpy leaves and a leading
 axis over the configurations.
 
-Around it, at the edge: ``best`` (the fastest plans that fit), ``pareto_front`` (time against
-peak memory), ``write_csv`` (one row per configuration), ``plot_pareto`` (a PNG), and the
-command line (``add_arguments`` and ``run``, wired in as ``diffcost sweep``).
+Summaries of a result, as arrays and plain values: ``best`` (the fastest plans that fit),
+``pareto_front`` (time against peak memory), ``status_counts``, ``smallest_memory``,
+``csv_columns`` (one row per configuration) and ``plan_row``. Nothing here prints or writes
+files: ``diffcost.cli.sweep`` (the ``diffcost sweep`` command) shows the progress, prints the
+report, and writes the CSV file and the Pareto plot.
 
 Several hosts:
     The same code runs over the devices of several hosts. Every process calls
@@ -39,16 +41,11 @@ Examples:
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
-import json
 import math
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +56,6 @@ from diffcost import smooth
 from diffcost.arrays import GiB, PlanArrays, cluster_arrays, model_arrays
 from diffcost.config import ConfigError
 from diffcost.params import Params
-from diffcost.profiles import params_for
 from diffcost.simulate import (
     STATUS_INVALID,
     STATUS_NAMES,
@@ -68,12 +64,11 @@ from diffcost.simulate import (
     simulate,
     time_part,
 )
-from diffcost.space import Choice, Space, enumerate_plans, load_space
+from diffcost.space import Choice, Space, enumerate_plans
 
 BATCH_AXIS = "batch"
 DEFAULT_CHUNK = 8192
 DEFAULT_TOP = 10
-PLOT_MEMORY_RANGE = 3.0  # the plot's memory axis ends at this multiple of the GPU memory
 
 ProgressFn = Callable[[int, int], None]
 
@@ -344,15 +339,11 @@ def smallest_memory(result: SweepResult) -> int | None:
     return int(valid[np.argmin(b.memory_peak_bytes[valid])])
 
 
-def _gpus(n: int) -> str:
-    return f"{n} GPU" + ("" if n == 1 else "s")
-
-
 # --------------------------------------------------------------------------------------------
-# Files
+# Rows for reports and files
 # --------------------------------------------------------------------------------------------
 def csv_header() -> list[str]:
-    """The columns of ``write_csv``."""
+    """The columns of a sweep's CSV file (``csv_columns``), in order."""
     return [
         *Choice._fields,
         "iteration_s",
@@ -374,12 +365,18 @@ def _fmt(values) -> list[str]:
     return text[index.reshape(-1)].tolist()
 
 
-def write_csv(path: str | os.PathLike, result: SweepResult) -> Path:
-    """One row per configuration (columns: ``csv_header()``); returns the path.
+def csv_columns(result: SweepResult) -> dict[str, list]:
+    """The columns of the sweep's CSV file, by ``csv_header()`` name, one entry per configuration.
 
     Choice fields as in ``Choice.describe`` (rank order spelled ``tp-cp-dp-pp``), times in
-    seconds, memory in GiB, status by name, ``pareto`` 1 on the front. Floats keep 6
+    seconds, memory in GiB, status by name, ``pareto`` 1 on the front. Floats are text with 6
     significant digits.
+
+    Args:
+        result: a sweep.
+
+    Returns:
+        ``{column: values}`` for every name of ``csv_header()``.
     """
     b, space = result.breakdown, result.space
     n = len(result.choices)
@@ -402,159 +399,19 @@ def write_csv(path: str | os.PathLike, result: SweepResult) -> Path:
             "pareto": on_front.tolist(),
         }
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = csv_header()
-    with open(path, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(header)
-        writer.writerows(zip(*(columns[h] for h in header)))
-    return path
+    return columns
 
 
-def plot_pareto(path: str | os.PathLike, result: SweepResult) -> Path:
-    """PNG of iteration time against peak memory per GPU, with the Pareto front.
+def plan_row(result: SweepResult, i: int) -> dict:
+    """One configuration of a sweep as plain Python values (the JSON report's plan entries).
 
-    Feasible configurations are small grey points, out-of-memory ones light red; the front is
-    a line with markers; a dashed vertical line marks the GPU memory; the fastest feasible
-    plan is annotated. When some plan fits, the memory axis stops at ``PLOT_MEMORY_RANGE``
-    times the GPU memory (the legend counts the points beyond). The time axis is logarithmic
-    when the points shown span more than 10x.
+    Args:
+        result: a sweep.
+        i: the configuration's index.
+
+    Returns:
+        ``{"plan", "iteration_s", "tokens_per_s", "mfu", "memory_peak_gib"}``.
     """
-    from matplotlib import ticker
-    from matplotlib.figure import Figure  # no pyplot: no global state, renders with Agg
-
-    b, space = result.breakdown, result.space
-    mem = b.memory_peak_bytes / GiB
-    t = b.iteration_s
-    capacity = float(np.max(b.memory_capacity_bytes)) / GiB
-    front = result_front(result)
-    shown = np.isfinite(mem) & np.isfinite(t) & (b.status != STATUS_INVALID)
-    right = PLOT_MEMORY_RANGE * capacity
-    beyond = shown & (mem > right) if front.size else np.zeros_like(shown)
-    shown &= ~beyond
-    ok = shown & (b.status == STATUS_OK)
-    oom = shown & (b.status != STATUS_OK)
-
-    fig = Figure(figsize=(9, 6), dpi=120)
-    ax = fig.add_subplot()
-    oom_label = "out of memory" + (
-        f" ({int(beyond.sum()):,} beyond {right:.0f} GiB not shown)" if beyond.any() else ""
-    )
-    ax.scatter(mem[oom], t[oom], s=4, color="#f4a6a6", alpha=0.4, lw=0, label=oom_label)
-    ax.scatter(mem[ok], t[ok], s=4, color="0.55", alpha=0.4, lw=0, label="fits")
-    if front.size:
-        ax.plot(mem[front], t[front], "o-", color="C0", ms=4, lw=1.5, label="Pareto front")
-        i = best(result, 1)[0]
-        ax.annotate(
-            f"fastest: {result.choices[i].label(space)}\n{t[i]:.3g} s, {mem[i]:.1f} GiB",
-            xy=(mem[i], t[i]),
-            xytext=(14, 14),
-            textcoords="offset points",
-            fontsize=8,
-            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "0.6", "alpha": 0.9},
-            arrowprops={"arrowstyle": "->", "lw": 0.8},
-        )
-    else:
-        ax.text(
-            0.5,
-            0.5,
-            f"no plan fits in {capacity:.0f} GiB",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            fontsize=12,
-            color="#b22222",
-        )
-    ax.axvline(capacity, color="k", ls="--", lw=1, label=f"GPU memory {capacity:.0f} GiB")
-    if beyond.any():
-        ax.set_xlim(0, right)
-    times = t[shown]
-    if times.size and np.min(times) > 0 and np.max(times) > 10 * np.min(times):
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(
-            ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else "")
-        )
-    ax.set_xlabel("peak memory per GPU (GiB)")
-    ax.set_ylabel("iteration time (s)")
-    ax.set_title(
-        f"{space.model.name} on {space.cluster.name}: {_gpus(space.n_gpus)}, global batch "
-        f"{space.global_batch}, {len(result.choices):,} configurations",
-        fontsize=10,
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8, markerscale=2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-def add_arguments(parser) -> None:
-    """Add the ``sweep`` command's arguments to an ``argparse`` parser."""
-    parser.add_argument("model", metavar="MODEL", help="model preset (gpt3-175b) or YAML path")
-    parser.add_argument("--cluster", required=True, help="cluster preset or YAML path")
-    parser.add_argument("--gpus", type=int, required=True, help="GPU count")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
-    parser.add_argument("--seq", type=int, help="sequence length (overrides the model's)")
-    parser.add_argument("--out", metavar="FILE.csv", help="write one row per configuration")
-    parser.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="Pareto plot (default with --out: <stem>_pareto.png next to it)",
-    )
-    parser.add_argument(
-        "--top", type=int, default=DEFAULT_TOP, metavar="K", help="fastest plans to list"
-    )
-    parser.add_argument(
-        "--chunk",
-        type=int,
-        default=DEFAULT_CHUNK,
-        metavar="N",
-        help="configurations per compiled call",
-    )
-    parser.add_argument(
-        "--profile", help="calibrated profile file, or 'none' for datasheet defaults"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _progress_bar(enabled: bool):
-    """A rich progress bar on stderr with a configurations/s column (disabled: no output)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    from rich.text import Text
-
-    class RateColumn(ProgressColumn):
-        def render(self, task):
-            speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{speed:,.0f} configurations/s")
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        RateColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=True,
-    )
-
-
-def _plan_row(result: SweepResult, i: int) -> dict:
     b = result.breakdown
     return {
         "plan": result.choices[i].describe(result.space),
@@ -563,125 +420,3 @@ def _plan_row(result: SweepResult, i: int) -> dict:
         "mfu": float(b.mfu[i]),
         "memory_peak_gib": float(b.memory_peak_bytes[i] / GiB),
     }
-
-
-def run(args) -> int:
-    """``diffcost sweep``: evaluate every plan, list the fastest, write CSV and plot.
-
-    Returns the exit code: 0, or 1 when no plan fits in memory (the report says so).
-
-    Raises:
-        ConfigError: bad model, cluster, GPU count, batch, --top or --chunk.
-        diffcost.profiles.ProfileError: a bad --profile.
-    """
-
-    if args.top < 0:
-        raise ConfigError(f"--top {args.top}: need 0 or more")
-    if args.chunk < 1:
-        raise ConfigError(f"--chunk {args.chunk}: need at least 1")
-    space = load_space(args.model, args.cluster, args.gpus, args.global_batch, seq=args.seq)
-    params, note = params_for(space.cluster, args.profile)
-    if not args.json:
-        print(f"constants: {note}")
-
-    with _progress_bar(not args.json and sys.stderr.isatty()) as bar:
-        task = bar.add_task("compiling", total=None)
-        result = sweep(
-            space,
-            params,
-            chunk=args.chunk,
-            progress=lambda done, total: bar.update(
-                task, description="sweep", completed=done, total=total
-            ),
-        )
-
-    plot = args.plot
-    if plot is None and args.out:
-        out = Path(args.out)
-        plot = str(out.with_name(f"{out.stem}_pareto.png"))
-    csv_path = str(write_csv(args.out, result)) if args.out else None
-    plot_path = str(plot_pareto(plot, result)) if plot else None
-
-    top = best(result, args.top)
-    front = result_front(result)
-    counts = status_counts(result)
-    low = smallest_memory(result)
-    capacity_gib = float(np.max(result.breakdown.memory_capacity_bytes)) / GiB
-    fits = counts["ok"] > 0
-    if args.json:
-        d = {
-            "model": space.model.name,
-            "cluster": space.cluster.name,
-            "n_gpus": space.n_gpus,
-            "global_batch": space.global_batch,
-            "profile": note,
-            "space_size": len(result.choices),
-            "devices": result.devices,
-            "sweep_s": result.seconds,
-            "compile_s": result.compile_s,
-            "configs_per_s": result.configs_per_s,
-            "status_counts": counts,
-            "fits": fits,
-            "top": [_plan_row(result, int(i)) for i in top],
-            "smallest_memory": None if low is None else _plan_row(result, low),
-            "memory_capacity_gib": capacity_gib,
-            "pareto_size": int(front.size),
-            "csv": csv_path,
-            "plot": plot_path,
-        }
-        print(json.dumps(d, indent=2))
-        return 0 if fits else 1
-    _print_report(result, top, front, counts, low, capacity_gib, csv_path, plot_path)
-    return 0 if fits else 1  # as ``search``: exit code 1 when no plan fits
-
-
-def _print_report(result, top, front, counts, low, capacity_gib, csv_path, plot_path) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console()
-    space, b = result.space, result.breakdown
-    head = escape(
-        f"{space.model.name} on {space.cluster.name}, {_gpus(space.n_gpus)}, global batch "
-        f"{space.global_batch}"
-    )
-    if top.size:
-        t = Table(title=f"{head}: the {top.size} fastest plans that fit")
-        for col in ("plan", "iteration s", "tokens/s", "MFU %", "peak GiB"):
-            t.add_column(col, justify="left" if col == "plan" else "right")
-        for i in top:
-            t.add_row(
-                result.choices[i].label(space),
-                f"{b.iteration_s[i]:.4g}",
-                f"{b.tokens_per_s[i]:,.0f}",
-                f"{100 * b.mfu[i]:.1f}",
-                f"{b.memory_peak_bytes[i] / GiB:.1f}",
-            )
-        console.print(t)
-    elif counts["ok"] > 0:
-        console.print(f"{head}: {counts['ok']:,} plans fit (--top 0: none listed)")
-    else:
-        lowest = (
-            "no valid plan to compare"
-            if low is None
-            else f"the smallest peak is {b.memory_peak_bytes[low] / GiB:.1f} GiB, reached by "
-            f"{result.choices[low].label(space)}"
-        )
-        console.print(
-            f"[bold red]Nothing fits:[/] none of the {len(result.choices):,} plans of {head} "
-            f"fits in {capacity_gib:.0f} GiB per GPU; {lowest}. Use more GPUs, a smaller "
-            "model or sequence, or GPUs with more memory.",
-            soft_wrap=True,
-        )
-    by_status = ", ".join(f"{v:,} {k}" for k, v in counts.items())
-    files = [f for f in (csv_path, plot_path) if f]
-    console.print(
-        f"{len(result.choices):,} configurations ({by_status}) on {result.devices} device(s) "
-        f"in {result.seconds:.2f} s (compilation {result.compile_s:.2f} s, then "
-        f"{result.configs_per_s:,.0f} configurations/s); "
-        f"Pareto front: {front.size} plans" + (f"; wrote {', '.join(files)}" if files else ""),
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )

@@ -1,6 +1,8 @@
-"""Command line: predict (table, --json, overrides, errors, Megatron flags) and validate."""
+"""Command line: predict (table, --json, overrides, errors, Megatron flags), validate, and
+commands contributed through the ``diffcost.commands`` entry points."""
 
 import json
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,25 @@ def test_kendall_tau():
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert kendall_tau([1], [1]) is None
+
+
+def test_calibrate_is_a_plugin_command():
+    from calibration import cli as calibration_cli
+
+    assert dict(cli.plugin_commands())["calibrate"] is calibration_cli.register
+    args = cli.build_parser().parse_args(["calibrate", "--cluster", "dgx-h100", "x.csv"])
+    assert args.func is calibration_cli.run and args.steps == 600
+
+
+def test_without_plugins_there_is_no_calibrate(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser(plugins=[]).parse_args(["calibrate", "--cluster", "dgx-h100", "x.csv"])
+    assert "invalid choice: 'calibrate'" in capsys.readouterr().err
+
+
+def test_a_broken_plugin_is_reported_and_left_out(monkeypatch, capsys):
+    broken = EntryPoint(name="broken", value="no_such_module:register", group=cli.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken])
+    assert cli.plugin_commands() == []
+    assert "command plugin 'broken'" in capsys.readouterr().err
+    assert cli.main(["predict", EXAMPLE, "--json"]) == 0

@@ -11,7 +11,8 @@ import pytest
 
 from diffcost import api, cli
 from diffcost.cache import FAST_CPU_COMPILE
-from diffcost.explain import elasticities, explain, reading
+from diffcost.cli.explain import reading
+from diffcost.explain import elasticities, explain
 from diffcost.params import default_params
 from diffcost.simulate import simulate
 

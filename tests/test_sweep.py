@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from diffcost import api, default_params, space, sweep
 from diffcost.arrays import GiB, cluster_arrays, model_arrays, plan_arrays
+from diffcost.cli import sweep as sweep_cli
 from diffcost.config import ConfigError
 from diffcost.simulate import STATUS_NAMES, STATUS_OK, Breakdown, time_part
 from diffcost.space import Choice
@@ -228,14 +229,14 @@ def test_pareto_front_property(points):
 
 def test_choice_label():
     s = space.load_space("gpt3-175b", "selene-a100-80g", 1024, 1536)
-    c = Choice(8, 8, 16, 1, 1, 1, "1f1b", 1, "selective", 1, 0)
+    c = Choice(8, 1, 16, 8, 1, 1, "1f1b", 1, "selective", 1, 0)  # tp, cp, dp, pp first
     assert c.label(s) == "tp8 pp8 dp16 mb1 1f1b zero1 sel"
     c = c._replace(cp=2, dp=8, schedule="interleaved", chunks=4, recompute="full", order=1)
     assert c.label(s) == "tp8 pp8 dp8 cp2 mb1 interleaved-v4 zero1 full order tp-cp-pp-dp"
 
 
 def test_csv_rows_header_and_status(small, tmp_path):
-    path = sweep.write_csv(tmp_path / "sweep.csv", small)
+    path = sweep_cli.write_csv(tmp_path / "sweep.csv", small)
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
         rows = list(reader)
@@ -263,14 +264,14 @@ def test_csv_rows_header_and_status(small, tmp_path):
 
 
 def test_plot_is_a_png(small, tmp_path):
-    path = sweep.plot_pareto(tmp_path / "front.png", small)
+    path = sweep_cli.plot_pareto(tmp_path / "front.png", small)
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 
 def _run_cli(argv):
     parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
-    return sweep.run(parser.parse_args(argv))
+    sweep_cli.add_arguments(parser)
+    return sweep_cli.run(parser.parse_args(argv))
 
 
 def test_cli_json_writes_files(capsys, tmp_path):

@@ -1,0 +1,186 @@
+"""``diffcost predict``: one model + cluster + plan, as tables or one JSON object.
+
+The tables (``print_prediction``) and the JSON object (``breakdown_dict``) are shared with
+``diffcost search``, which prints its best plan the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from rich.console import Console
+
+from diffcost import api, trace
+from diffcost import config as config_mod
+from diffcost.arrays import GiB
+from diffcost.cli import common
+from diffcost.megatron_args import parse_megatron_args
+from diffcost.simulate import STATUS_NAMES, Breakdown, time_part
+from diffcost.specs import Experiment
+
+PART_LABELS = {
+    "compute_s": "compute",
+    "tp_comm_s": "tensor-parallel comm (exposed)",
+    "cp_comm_s": "context-parallel comm (exposed)",
+    "ep_comm_s": "expert all-to-all (exposed)",
+    "zero_comm_s": "ZeRO-3 gathers/scatters (exposed)",
+    "pp_comm_s": "pipeline sends (fill/drain)",
+    "dp_comm_s": "data-parallel sync (exposed)",
+    "bubble_s": "pipeline bubble",
+    "optimizer_s": "optimizer step",
+    "overhead_s": "host overhead (iteration, microbatch steps)",
+}
+MEMORY_PARTS = (
+    "weights_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activations_bytes",
+    "buffers_bytes",
+    "memory_stage_bytes",
+)
+_VERDICT = {"ok": "[green]fits[/]", "oom": "[red]OUT OF MEMORY[/]", "invalid": "[red]INVALID[/]"}
+
+
+def register(subparsers) -> None:
+    """Add ``predict`` to the ``diffcost`` subcommands.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers`` returned.
+    """
+    p = subparsers.add_parser("predict", help="predict one model + cluster + plan")
+    common.add_experiment_arguments(p, required=False)
+    common.add_json_argument(p)
+    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto timeline")
+    p.add_argument(
+        "--megatron-args", metavar="ARGS", help="read model and plan from Megatron flags"
+    )
+    p.add_argument("--cluster", help="cluster preset (with --megatron-args)")
+    p.add_argument("--gpus", type=int, help="GPU count (with --megatron-args)")
+    common.add_profile_argument(p)
+    p.set_defaults(func=run)
+
+
+def _experiment(args: argparse.Namespace) -> Experiment:
+    """The experiment of a CONFIG with overrides, or of ``--megatron-args``.
+
+    Raises:
+        ConfigError: neither given, or ``--megatron-args`` without ``--cluster`` and ``--gpus``.
+    """
+    if args.megatron_args is not None:
+        if not args.cluster or not args.gpus:
+            raise config_mod.ConfigError("--megatron-args needs --cluster NAME and --gpus N")
+        model, plan, ignored = parse_megatron_args(args.megatron_args, args.gpus)
+        cluster = config_mod.load_cluster(args.cluster)
+        exp = Experiment(model=model, cluster=cluster, plan=plan, source="--megatron-args")
+        config_mod.validate_experiment(exp, n_gpus=args.gpus)
+        if ignored and not args.json:
+            print(f"ignored Megatron flags: {' '.join(ignored)}", file=sys.stderr)
+        return exp
+    if not args.config:
+        raise config_mod.ConfigError(
+            "give a CONFIG file (or --megatron-args with --cluster/--gpus)"
+        )
+    return config_mod.load_experiment(args.config, args.overrides)
+
+
+def breakdown_dict(exp: Experiment, b: Breakdown) -> dict:
+    """The JSON object printed by ``predict --json``.
+
+    Args:
+        exp: the experiment predicted.
+        b: its prediction (scalar leaves; memory parts per stage: first and last).
+
+    Returns:
+        Plain Python values: names, ``iteration_s``, ``tokens_per_s``, ``mfu``, the time
+        ``breakdown`` (seconds per part), peak and capacity bytes, ``memory_by_stage_bytes``
+        and the ``status`` name.
+    """
+    f = lambda x: float(np.asarray(x))  # noqa: E731
+    stages = ["first", "last"] if exp.plan.pp > 1 else ["only"]
+    memory = {
+        s: {k.removesuffix("_bytes"): f(getattr(b, k)[i]) for k in MEMORY_PARTS}
+        for i, s in enumerate(stages)
+    }
+    return {
+        "config": exp.source,
+        "model": exp.model.name,
+        "cluster": exp.cluster.name,
+        "n_gpus": exp.plan.n_gpus,
+        "iteration_s": f(b.iteration_s),
+        "tokens_per_s": f(b.tokens_per_s),
+        "mfu": f(b.mfu),
+        "breakdown": {k: f(time_part(b, k)) for k in Breakdown.TIME_PARTS},
+        "memory_peak_bytes": f(b.memory_peak_bytes),
+        "memory_capacity_bytes": f(b.memory_capacity_bytes),
+        "memory_by_stage_bytes": memory,
+        "status": STATUS_NAMES[int(b.status)],
+    }
+
+
+def print_prediction(exp: Experiment, d: dict) -> None:
+    """Print the plan, the headline figures, the time and memory tables and the verdict.
+
+    Args:
+        exp: the experiment predicted.
+        d: its ``breakdown_dict``.
+    """
+    console = Console()
+    p = exp.plan
+    console.print(
+        f"[bold]{exp.model.name}[/] on [bold]{exp.cluster.name}[/], {p.n_gpus} GPUs: "
+        f"tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} sp={p.sequence_parallel} "
+        f"zero={p.zero} recompute={p.recompute} mb={p.microbatch} gb={p.global_batch} "
+        f"schedule={p.schedule}" + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
+    )
+    console.print(
+        f"iteration [bold]{d['iteration_s']:.4g} s[/]   tokens/s {d['tokens_per_s']:.4g}   "
+        f"MFU {100 * d['mfu']:.1f}%"
+    )
+    times = [
+        (PART_LABELS[key], f"{value:.4g}", f"{100 * value / d['iteration_s']:.1f}%")
+        for key, value in d["breakdown"].items()
+    ]
+    console.print(common.make_table("time per iteration", ("part", "seconds", "share"), times))
+    names = [k.removesuffix("_bytes") for k in MEMORY_PARTS]
+    memory = [
+        (stage, *(f"{parts[name] / GiB:.2f}" for name in names))
+        for stage, parts in d["memory_by_stage_bytes"].items()
+    ]
+    columns = ("stage", *(name.replace("memory_stage", "total") for name in names))
+    console.print(common.make_table("memory per GPU (GiB)", columns, memory))
+    cap = d["memory_capacity_bytes"] / GiB
+    console.print(
+        f"peak {d['memory_peak_bytes'] / GiB:.2f} GiB of {cap:.0f} GiB: {_VERDICT[d['status']]}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict, print the tables or the JSON object, write the trace when asked.
+
+    Args:
+        args: the parsed ``predict`` arguments.
+
+    Returns:
+        0.
+
+    Raises:
+        ConfigError: a bad config, override or Megatron flag.
+        diffcost.profiles.ProfileError: a bad ``--profile``.
+    """
+    exp = _experiment(args)
+    params, note = api.params_for(exp, args.profile)
+    d = breakdown_dict(exp, api.predict(exp, params=params))
+    d["profile"] = note
+    if args.trace:
+        trace.write_experiment_trace(args.trace, exp, params)
+        d["trace"] = args.trace
+    if args.json:
+        common.print_json(d)
+        return 0
+    print_prediction(exp, d)
+    print(f"constants: {note}")
+    if args.trace:
+        print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
+    return 0

@@ -1,0 +1,186 @@
+"""``diffcost search``: the fastest plans that fit, found by gradient descent and a polish.
+
+``diffcost.search.search`` finds the plans; this module loads the space, predicts each plan
+found in full (``diffcost.api.predict``) and reports them: the best one as ``predict`` prints
+it, then a table of the top K, or one JSON object. Exit code 1 when no plan fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from diffcost import api
+from diffcost import search as search_mod
+from diffcost.arrays import GiB
+from diffcost.cli import common
+from diffcost.cli.predict import breakdown_dict, print_prediction
+from diffcost.profiles import params_for
+from diffcost.simulate import STATUS_NAMES
+from diffcost.space import Choice, Space, load_space
+from diffcost.specs import Experiment
+
+COLUMNS = ("#", "plan", "iteration", "vs best", "compute", "comm", "bubble", "other", "MFU %")
+
+
+def register(subparsers) -> None:
+    """Add ``search`` to the ``diffcost`` subcommands.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers`` returned.
+    """
+    s = subparsers.add_parser(
+        "search", help="find a fast plan that fits (gradient descent + polish)"
+    )
+    common.add_space_arguments(s)
+    common.add_profile_argument(s)
+    common.add_json_argument(s)
+    s.add_argument("--top", type=int, default=5, metavar="K", help="print the K best plans")
+    s.add_argument("--starts", type=int, default=32, help="relaxed starts descending at once")
+    s.add_argument("--steps", type=int, default=150, help="optimizer steps per start")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random starts")
+    s.set_defaults(func=run)
+
+
+def _plan_experiment(space: Space, choice: Choice) -> Experiment:
+    """The experiment of one plan of the space."""
+    return Experiment(
+        model=space.model,
+        cluster=space.cluster,
+        plan=space.plan_spec(choice),
+        source=f"search {space.model.name} on {space.n_gpus} GPUs of {space.cluster.name}",
+    )
+
+
+def summary(space: Space, result: search_mod.SearchResult, params, note: str) -> dict:
+    """The JSON object of ``search --json``.
+
+    Args:
+        space: the space searched.
+        result: ``diffcost.search.search``'s result.
+        params: the constants searched with (each plan found is predicted with them again).
+        note: which constants those are.
+
+    Returns:
+        Plain Python values: the request, ``profile``, ``fits``, ``search`` (timings and
+        counts), ``top`` (each plan with its ``predict --json`` object) and ``closest`` (the
+        plan with the smallest peak memory).
+    """
+    top = []
+    for c in result.best:
+        exp = _plan_experiment(space, c.choice)
+        d = breakdown_dict(exp, api.predict(exp, params=params))
+        top.append({"plan": c.choice.describe(space), "label": c.choice.label(space), **d})
+    closest = result.closest
+    return {
+        "model": space.model.name,
+        "cluster": space.cluster.name,
+        "n_gpus": space.n_gpus,
+        "global_batch": space.global_batch,
+        "seq_len": space.model.seq_len,
+        "profile": note,
+        "fits": bool(top),
+        "search": {
+            "seconds": result.seconds,
+            "descent_s": result.descent_s,
+            "rounding_s": result.rounding_s,
+            "polish_s": result.polish_s,
+            "evaluated": result.evaluated,
+            "polish_rounds": result.rounds,
+        },
+        "top": top,
+        "closest": {
+            "plan": closest.choice.describe(space),
+            "label": closest.choice.label(space),
+            "memory_peak_bytes": closest.memory_peak_bytes,
+            "memory_capacity_bytes": space.cluster.gpu.memory_GiB * GiB,
+            "status": STATUS_NAMES[closest.status],
+        },
+    }
+
+
+def _top_rows(top: list[dict]) -> list[tuple[str, ...]]:
+    """One table row per plan found: times in seconds, against the best, MFU, peak memory."""
+    best_s = top[0]["iteration_s"]
+    rows = []
+    for i, d in enumerate(top, 1):
+        parts = d["breakdown"]
+        comm = sum(v for k, v in parts.items() if k.endswith("comm_s"))
+        other = parts["optimizer_s"] + parts["overhead_s"]
+        rows.append(
+            (
+                str(i),
+                d["label"],
+                f"{d['iteration_s']:.4g}",
+                f"+{100 * (d['iteration_s'] / best_s - 1):.2f}%",
+                f"{parts['compute_s']:.3g}",
+                f"{comm:.3g}",
+                f"{parts['bubble_s']:.3g}",
+                f"{other:.3g}",
+                f"{100 * d['mfu']:.1f}",
+                f"{d['memory_peak_bytes'] / GiB:.1f}",
+            )
+        )
+    return rows
+
+
+def _print_nothing_fits(space: Space, closest: search_mod.Candidate) -> None:
+    """Say that no plan fits, and how close the smallest peak memory came."""
+    print(
+        f"nothing fits: no plan of {space.model.name} on {space.n_gpus} GPUs of "
+        f"{space.cluster.name} with global batch {space.global_batch} fits in "
+        f"{space.cluster.gpu.memory_GiB:g} GiB per GPU. The smallest peak memory reached is "
+        f"{closest.memory_peak_bytes / GiB:.1f} GiB ({closest.choice.label(space)}); use more "
+        "GPUs, a GPU with more memory, or a shorter sequence."
+    )
+
+
+def _print_report(space: Space, result: search_mod.SearchResult, out: dict) -> None:
+    """The best plan as ``predict`` prints it, the table of the top plans, the timings."""
+    top = out["top"]
+    print_prediction(_plan_experiment(space, result.best[0].choice), top[0])
+    title = f"top {len(top)} plans found (seconds per iteration)"
+    columns = (*COLUMNS, "peak GiB")
+    common.print_table(title, columns, _top_rows(top), right=set(columns) - {"plan"})
+    print(
+        f"search: {result.seconds:.2f} s (descent {result.descent_s:.2f} s, rounding "
+        f"{result.rounding_s:.2f} s, polish {result.polish_s:.2f} s), {result.evaluated} "
+        f"discrete plans evaluated exactly, {result.rounds} polish rounds (a first run also "
+        f"compiles); comm = exposed communication, other = optimizer + overhead; constants: "
+        f"{out['profile']}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search the space and report the plans found.
+
+    Args:
+        args: the parsed ``search`` arguments.
+
+    Returns:
+        0, or 1 when no plan fits in memory.
+
+    Raises:
+        ConfigError: a bad model, cluster, GPU count or batch, or ``--top`` below 1.
+        diffcost.profiles.ProfileError: a bad ``--profile``.
+    """
+    space = load_space(args.model, args.cluster, args.gpus, args.global_batch, args.seq)
+    common.check_at_least("--top", args.top, 1)
+    params, note = params_for(space.cluster, args.profile)
+    cfg = search_mod.SearchConfig(starts=args.starts, steps=args.steps, seed=args.seed)
+    if not args.json:
+        print(f"constants: {note}", file=sys.stderr)
+        print(
+            f"searching {args.starts} relaxed starts x {args.steps} steps "
+            "(a first run compiles for a minute or two; later runs reuse the disk cache)...",
+            file=sys.stderr,
+        )
+    result = search_mod.search(space, params, args.top, cfg)
+    out = summary(space, result, params, note)
+    if args.json:
+        common.print_json(out)
+    elif not out["fits"]:
+        _print_nothing_fits(space, result.closest)
+    else:
+        _print_report(space, result, out)
+    return 0 if out["fits"] else 1

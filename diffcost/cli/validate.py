@@ -1,0 +1,101 @@
+"""``diffcost validate``: predictions against measured runs, per source and per row."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from diffcost.cli import common
+from diffcost.validate import validate
+
+SUMMARY_COLUMNS = ("source", "rows", "predicted", "skipped", "MAPE %", "max APE %", "Kendall tau")
+ROW_COLUMNS = ("row", "source", "model", "measured s", "predicted s", "APE %", "defaults")
+
+
+def register(subparsers) -> None:
+    """Add ``validate`` to the ``diffcost`` subcommands.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers`` returned.
+    """
+    v = subparsers.add_parser("validate", help="compare predictions with measured runs (CSV)")
+    v.add_argument("csv", help="CSV in the schema of shared/data/README.md")
+    common.add_json_argument(v)
+    v.add_argument("--rows", action="store_true", help="print every row")
+    common.add_profile_argument(v)
+    v.set_defaults(func=run)
+
+
+def _fmt(value, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``-`` for None."""
+    return "-" if value is None else format(value, spec)
+
+
+def _summary_rows(out: dict) -> list[tuple[str, ...]]:
+    """One row per source and one for all of them."""
+    return [
+        (
+            name,
+            str(s["rows"]),
+            str(s["predicted"]),
+            str(s["skipped"]),
+            _fmt(s["mape_pct"], ".1f"),
+            _fmt(s["max_ape_pct"], ".1f"),
+            _fmt(s["kendall_tau"], ".3f"),
+        )
+        for name, s in [*out["by_source"].items(), ("all", out["summary"])]
+    ]
+
+
+def _predicted_rows(out: dict) -> list[tuple[str, ...]]:
+    """One row per predicted (not skipped) measurement."""
+    return [
+        (
+            str(r["row"]),
+            r["source"],
+            r["model"],
+            f"{r['measured_iter_s']:.4g}",
+            f"{r['predicted_iter_s']:.4g}",
+            _fmt(r["ape_pct"], ".1f"),
+            "; ".join(r["defaults"]),
+        )
+        for r in out["rows"]
+        if not r["skipped"]
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the CSV and print the per-source table (and the rows with ``--rows``).
+
+    Args:
+        args: the parsed ``validate`` arguments.
+
+    Returns:
+        0.
+
+    Raises:
+        ValueError: a malformed CSV.
+        FileNotFoundError: no such CSV.
+    """
+    out = validate(args.csv, profile=args.profile)
+    if args.json:
+        common.print_json(out)
+        return 0
+    console = Console()
+    # source names are long: wrapped on a narrow terminal, never cut
+    fold = {"source": {"overflow": "fold", "min_width": 12}}
+    title = f"validation against {args.csv}"
+    console.print(common.make_table(title, SUMMARY_COLUMNS, _summary_rows(out), options=fold))
+    for cluster, note in out.get("profiles", {}).items():
+        console.print(f"constants for {cluster}: {note}")
+    skipped = [r for r in out["rows"] if r["skipped"]]
+    if skipped:
+        console.print(f"[bold]{len(skipped)} rows skipped:[/]")
+        for r in skipped:
+            console.print(f"  row {r['row']} ({r['source']}, {r['model']}): {r['skipped']}")
+    if args.rows:
+        console.print(common.make_table("rows", ROW_COLUMNS, _predicted_rows(out), right=()))
+    else:
+        console.print("per-row results and the defaults used: --rows or --json")
+    return 0
