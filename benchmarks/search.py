@@ -16,7 +16,7 @@ For each case (model, cluster, GPU count, global batch):
   the same polish from as many random valid plans with no descent (worst over the seeds);
   ``evaluated``: discrete plans the search evaluated exactly (median).
 
-The non-uniform partition case (a 96-layer model, ``diffcost.partition.partition_case``) reports
+The non-uniform partition case (a 96-layer model, ``partition_compare.partition_case``) reports
 the exact dynamic program, the gradient search and coordinate descent under the gradient
 search's time budget: ``gap_pct`` is the gap to the DP, ``gap_to_coordinate_pct`` to coordinate
 descent (negative: the gradient search is better).
@@ -46,9 +46,10 @@ import jax
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from partition_compare import compare, partition_case, summary_line  # noqa: E402
 from peers import CALCULON_MEASURED, CALCULON_MS_PER_CONFIG, vs_calculon  # noqa: E402
 
-from diffcost import partition, search, sweep  # noqa: E402
+from diffcost import search, sweep  # noqa: E402
 from diffcost.profiles import params_for  # noqa: E402
 from diffcost.simulate import STATUS_OK  # noqa: E402
 from diffcost.space import enumerate_plans, load_space  # noqa: E402
@@ -130,8 +131,8 @@ def plan_case(name, model, cluster, gpus, batch, seeds, log) -> dict:
 
 
 def partition_row(log) -> dict:
-    problem, description = partition.partition_case()
-    c = partition.compare(problem)
+    problem, description = partition_case()
+    c = compare(problem)
     p = problem.n_stages
     row = {
         "name": "non-uniform partition, 96 layers (" + description + ")",
@@ -152,12 +153,7 @@ def partition_row(log) -> dict:
         "gradient_compile_s": c["gradient_compile_s"],
         "partitions": {k: c[k] for k in ("dp", "gradient", "coordinate")},
     }
-    log(
-        f"partition: DP {c['dp_s']:.4g} s in {c['dp_time_s']:.3f} s; gradient "
-        f"{c['gradient_s']:.4g} s in {c['gradient_time_s']:.3f} s "
-        f"(gap {c['gap_to_dp_pct']:.3f}%); coordinate descent "
-        f"{c['coordinate_s']:.4g} s (gradient vs it {c['gap_to_coordinate_pct']:+.2f}%)"
-    )
+    log(f"partition: {summary_line(c)}")
     return row
 
 

@@ -11,8 +11,8 @@ one plan into a small discrete problem (``PartitionProblem``) and solves it thre
   Adam from many random starts in one ``jit``, then rounding and a discrete local search;
 * ``solve_coordinate_descent``: AutoDDL-style descent on the stage boundaries with restarts.
 
-``compare`` runs the three on one problem for the benchmark; ``partition_case`` builds the
-benchmark case (GPT-3 175B on Selene).
+``benchmarks/partition_compare.py`` runs the three on the benchmark case (GPT-3 175B on
+Selene) and times them.
 
 The model of one partition (``layers[s]`` layers and ``recompute[s]`` fully recomputed layers on
 stage ``s``; ``[.]`` is 1 where the condition holds):
@@ -66,7 +66,6 @@ from flax import struct
 from diffcost import config, smooth, workload
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
 from diffcost.params import Params
-from diffcost.profiles import params_for
 from diffcost.simulate import memory, pipeline_time, stage_times
 from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
 
@@ -774,8 +773,17 @@ def _moves(p: int, any_pair: bool = False) -> np.ndarray:
     return delta
 
 
-def _score(problem: PartitionProblem, tables: StageTables, layers):
-    """(memory excess, iteration time) of partitions [..., p] with the smallest-fit recompute."""
+def score(problem: PartitionProblem, tables: StageTables, layers):
+    """Memory excess and iteration time of partitions, each stage with its smallest-fit recompute.
+
+    Args:
+        problem, tables: the problem and its ``stage_tables``.
+        layers: int array [..., p], layers per stage.
+
+    Returns:
+        (excess, time_s), each [...]: bytes over the capacity on the worst stage (0 when
+        the partition fits) and the iteration time in seconds.
+    """
     work, excess, _ = _lookup(tables, layers)
     return excess, _pipeline_time_s(problem, work)
 
@@ -806,11 +814,11 @@ def local_search(
     batch = np.atleast_2d(layers).copy()
     rows = np.arange(batch.shape[0])
     delta = _moves(problem.n_stages, any_pair)
-    excess, time_s = _score(problem, tables, batch)
+    excess, time_s = score(problem, tables, batch)
     for _ in range(max_moves):
         cand = batch[:, None, :] + delta[None, :, :]
         cand = np.where(np.all(cand >= 1, axis=-1, keepdims=True), cand, batch[:, None, :])
-        c_excess, c_time = _score(problem, tables, cand)
+        c_excess, c_time = score(problem, tables, cand)
         least = c_excess <= np.min(c_excess, axis=1, keepdims=True)
         j = np.argmin(np.where(least, c_time, np.inf), axis=1)
         b_excess, b_time = c_excess[rows, j], c_time[rows, j]
@@ -863,7 +871,7 @@ def solve_gradient(
     polished = local_search(
         problem, tables, rounded, settings.polish_moves, any_pair=settings.polish_any_pair
     )
-    excess, time_s = _score(problem, tables, polished)
+    excess, time_s = score(problem, tables, polished)
     i = _best_index(excess, time_s)
     if excess[i] > 0:
         raise RuntimeError(
@@ -884,7 +892,7 @@ def _descend_boundaries(problem: PartitionProblem, tables: StageTables, layers) 
     """
     cuts = np.concatenate([[0], np.cumsum(layers)])
     p = problem.n_stages
-    excess, time_s = _score(problem, tables, np.diff(cuts))
+    excess, time_s = score(problem, tables, np.diff(cuts))
     improved = True
     while improved:
         improved = False
@@ -892,7 +900,7 @@ def _descend_boundaries(problem: PartitionProblem, tables: StageTables, layers) 
             positions = np.arange(cuts[i - 1] + 1, cuts[i + 1])
             cand = np.repeat(cuts[None, :], positions.size, axis=0)
             cand[:, i] = positions
-            c_excess, c_time = _score(problem, tables, np.diff(cand, axis=1))
+            c_excess, c_time = score(problem, tables, np.diff(cand, axis=1))
             j = _best_index(c_excess, c_time)
             if (c_excess[j], c_time[j]) < (excess, time_s):
                 cuts, excess, time_s, improved = cand[j], c_excess[j], c_time[j], True
@@ -934,7 +942,7 @@ def solve_coordinate_descent(
     best, best_key = None, (np.inf, np.inf)
     while True:
         layers = _descend_boundaries(problem, tables, start)
-        key = _score(problem, tables, layers)
+        key = score(problem, tables, layers)
         if key < best_key:
             best, best_key = layers, key
         if time.perf_counter() >= deadline:
@@ -943,153 +951,3 @@ def solve_coordinate_descent(
     if best_key[0] > 0:
         raise RuntimeError("coordinate descent found no feasible partition: raise the budget")
     return _as_partition(problem, tables, best)
-
-
-# --- the benchmark ------------------------------------------------------------------------------
-
-
-def _partition_dict(partition: Partition) -> dict:
-    return {
-        "layers": partition.layers.tolist(),
-        "recompute": partition.recompute.tolist(),
-        "time_s": partition.time_s,
-    }
-
-
-def compare(
-    problem: PartitionProblem,
-    time_budget_s: float | None = None,
-    starts: int = 64,
-    steps: int = 500,
-    seed: int = 0,
-    settings: GradientSettings = GradientSettings(),
-) -> dict:
-    """DP, gradient search and coordinate descent on one problem, timed (for the benchmark).
-
-    The DP runs once (numpy, nothing to compile). The gradient search runs twice after its
-    jit cache is cleared: ``gradient_compile_s`` is the first call minus the second, and
-    ``gradient_time_s`` the second (warm) call. Coordinate descent gets ``time_budget_s``, or
-    by default the gradient search's warm time. Two untimed ablations show where the gradient
-    result comes from: ``gradient_rounded_s`` is the best start after rounding but before the
-    local search, ``uniform_polished_s`` the same local search from the uniform partition
-    with no gradient step.
-
-    Args:
-        problem: the partition problem.
-        time_budget_s: coordinate descent's budget; None for the gradient search's warm time.
-        starts, steps, seed, settings: of ``solve_gradient``.
-
-    Returns:
-        A dict of plain Python values: ``layers``, ``stages``, ``microbatches``, ``uniform_s``
-        (None when no uniform partition fits), ``dp_s``, ``dp_time_s``, ``gradient_s``,
-        ``gradient_time_s``, ``gradient_compile_s``, ``coordinate_s``, ``coordinate_time_s``,
-        ``coordinate_budget_s``, ``gap_to_dp_pct``, ``gap_to_coordinate_pct`` (positive:
-        gradient worse), ``gradient_rounded_s``, ``uniform_polished_s`` and the partitions
-        ``dp``, ``gradient``, ``coordinate`` (layers, recompute, time_s each).
-
-    Raises:
-        InfeasiblePartitionError: no partition fits.
-    """
-    t0 = time.perf_counter()
-    dp = solve_dp(problem)
-    dp_time = time.perf_counter() - t0
-
-    relaxed_search.clear_cache()
-    run = lambda: solve_gradient(problem, starts, steps, seed, settings)  # noqa: E731
-    t0 = time.perf_counter()
-    run()
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    gradient = run()
-    gradient_time = time.perf_counter() - t0
-
-    budget = gradient_time if time_budget_s is None else float(time_budget_s)
-    t0 = time.perf_counter()
-    coordinate = solve_coordinate_descent(problem, budget, seed)
-    coordinate_time = time.perf_counter() - t0
-
-    tables = stage_tables(problem)
-    layers_real, _, _ = relaxed_search(
-        problem, jax.random.PRNGKey(seed), starts=starts, steps=steps, settings=settings
-    )
-    rounded = round_layers(np.asarray(layers_real), problem.n_layers)
-    excess, rounded_s = _score(problem, tables, rounded)
-    uniform = uniform_partition(problem.n_layers, problem.n_stages)
-    polished = local_search(problem, tables, uniform, any_pair=settings.polish_any_pair)
-    polished_excess, polished_s = _score(problem, tables, polished)
-    pct = lambda a, b: 100.0 * (a / b - 1.0)  # noqa: E731
-    return {
-        "layers": problem.n_layers,
-        "stages": problem.n_stages,
-        "microbatches": float(problem.n_microbatches),
-        "uniform_s": uniform_time_s(problem, tables),
-        "dp_s": dp.time_s,
-        "dp_time_s": dp_time,
-        "gradient_s": gradient.time_s,
-        "gradient_time_s": gradient_time,
-        "gradient_compile_s": max(first - gradient_time, 0.0),
-        "coordinate_s": coordinate.time_s,
-        "coordinate_time_s": coordinate_time,
-        "coordinate_budget_s": budget,
-        "gap_to_dp_pct": pct(gradient.time_s, dp.time_s),
-        "gap_to_coordinate_pct": pct(gradient.time_s, coordinate.time_s),
-        "gradient_rounded_s": float(np.min(np.where(excess > 0, np.inf, rounded_s))),
-        "uniform_polished_s": None if polished_excess > 0 else float(polished_s),
-        "dp": _partition_dict(dp),
-        "gradient": _partition_dict(gradient),
-        "coordinate": _partition_dict(coordinate),
-    }
-
-
-# The split of configs/plans/megatron-3d-175b.yaml (tp 8 inside a node, 16 pipeline stages, dp 8:
-# 1,024 GPUs) with 1F1B instead of interleaving, microbatch 4 (48 microbatches of the 1536
-# sequences), the distributed optimizer (ZeRO-1) and no sequence parallelism (as in Megatron-LM
-# before Korthikanti et al.): see ``partition_case``.
-BENCHMARK_PLAN = dict(
-    tp=8, pp=16, dp=8, microbatch=4, global_batch=1536, zero=1, sequence_parallel=False
-)
-
-
-def partition_case(
-    model: str = "gpt3-175b",
-    cluster: str = "selene-a100-80g",
-    profile=None,
-    **plan_fields,
-) -> tuple[PartitionProblem, str]:
-    """The benchmark case "non-uniform partition of a 96-layer model", or another one.
-
-    Default: GPT-3 175B (96 layers, vocabulary 50257) on Selene (A100 80 GB) with the
-    calibrated constants, ``BENCHMARK_PLAN``: tp 8 x pp 16 x dp 8 = 1,024 GPUs, microbatch 4,
-    global batch 1536 (48 microbatches), ZeRO-1, no sequence parallelism, 1F1B. Why: with
-    6 layers per stage and microbatch 4, the first stage holds 16 microbatches of activations
-    (1.3 GB per layer and microbatch) and needs 129 GiB without recompute, the last stage
-    20 GiB: memory binds on the early stages only, so the uniform partition recomputes there
-    (4, 3, 3, ... layers) while the later stages have room, and the optimum moves layers to
-    the back (4 or 5 layers early, 7 late) with less recompute, 4.9% faster. With sequence
-    parallelism, or microbatch 1 or 2, the 16-stage optimum stays uniform (one layer is a
-    sixth of a stage: recomputing is cheaper than moving it); 8-stage plans have uneven
-    optima too, but a search space of C(95, 7) partitions instead of C(95, 15).
-
-    Args:
-        model, cluster: preset names or YAML paths (``diffcost.config``).
-        profile: calibration profile (``diffcost.profiles.params_for``; None: default).
-        plan_fields: ``PlanSpec`` fields replacing those of ``BENCHMARK_PLAN`` (schedule is
-            1f1b).
-
-    Returns:
-        (problem, one-line description).
-    """
-
-    model_spec = config.load_model(model)
-    cluster_spec = config.load_cluster(cluster)
-    plan = PlanSpec(schedule="1f1b", **{**BENCHMARK_PLAN, **plan_fields})
-    params, note = params_for(cluster_spec, profile)
-    problem = problem_for(model_spec, plan, cluster_spec, params)
-    description = (
-        f"{model_spec.name} ({model_spec.n_layers} layers) on {cluster_spec.name}, "
-        f"{plan.n_gpus} GPUs: tp {plan.tp} x pp {plan.pp} x dp {plan.dp}, microbatch "
-        f"{plan.microbatch}, global batch {plan.global_batch} "
-        f"({float(problem.n_microbatches):g} microbatches), ZeRO-{plan.zero}, sequence "
-        f"parallel {'on' if plan.sequence_parallel else 'off'}, 1F1B; {note}"
-    )
-    return problem, description

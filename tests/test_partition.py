@@ -1,9 +1,11 @@
 """Pipeline partitions: the exact DP, the simulator it is read from, the gradient and coordinate
-searches, and infeasible problems."""
+searches, infeasible problems, and the benchmark comparison (benchmarks/partition_compare.py)."""
 
 import dataclasses
 import doctest
+import importlib.util
 import itertools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,11 @@ from diffcost.partition import (
 )
 from diffcost.simulate import simulate
 from diffcost.specs import PlanSpec
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "partition_compare.py"
+_spec = importlib.util.spec_from_file_location("partition_compare", _PATH)
+partition_compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(partition_compare)
 
 # Measured agreement of ``evaluate`` with the simulator on uniform partitions: at most 2.2e-16
 # relative, i.e. rounding only (the evaluator recombines the simulator's terms in another
@@ -205,8 +212,8 @@ def test_relaxed_gradients_are_finite_and_match_finite_differences():
 
 @pytest.fixture(scope="module")
 def gpt3_case():
-    problem, description = partition.partition_case()
-    return problem, partition.compare(problem)
+    problem, description = partition_compare.partition_case()
+    return problem, partition_compare.compare(problem)
 
 
 def test_benchmark_case_is_memory_bound_and_non_uniform(gpt3_case):
@@ -262,7 +269,7 @@ def test_infeasible_problem_raises_with_the_smallest_reachable_memory():
         solve_dp,
         lambda pr: solve_gradient(pr, starts=8, steps=100, settings=SMALL_SETTINGS),
         lambda pr: solve_coordinate_descent(pr, time_budget_s=0.01),
-        partition.compare,
+        partition_compare.compare,
     ):
         with pytest.raises(InfeasiblePartitionError, match="smallest peak memory") as info:
             solve(problem)
