@@ -4,10 +4,10 @@
 
 Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data``):
 
-1. ``by_source`` / ``h100``: grouped 5-fold cross-validation on the end-to-end rows. Folds are
-   grouped by model shape (n_layers, hidden, ffn_hidden, heads, kv_heads, seq_len), so a
-   held-out shape is never seen in training on any cluster, and stratified by source (each
-   source's shapes spread over the five folds). A fold's training set is the other
+1. ``by_source`` / ``h100``: grouped 5-fold cross-validation on the end-to-end rows
+   (``calibration.cv.grouped_folds``). Folds are grouped by model shape (n_layers, hidden,
+   ffn_hidden, heads, kv_heads, seq_len), so a held-out shape is never seen in training on
+   any cluster, and stratified by source (each source's shapes spread over the five folds). A fold's training set is the other
    folds' e2e rows of every cluster plus every collective and GEMM row (kernel-level data are
    always available). Held-out rows are predicted with ``calibration.fit.predict_log`` on a
    problem built from the held-out rows alone, with the trained device/cluster tables mapped to
@@ -73,6 +73,7 @@ import numpy as np  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 from calibration import fit as F  # noqa: E402
+from calibration.cv import grouped_folds, shape_key  # noqa: E402
 from calibration.readers import Measurements, load  # noqa: E402
 from diffcost.config import load_cluster  # noqa: E402
 from diffcost.gpus import FAMILY_CLUSTER, gpu_family  # noqa: E402
@@ -152,43 +153,6 @@ def load_data(data_dir: Path) -> Measurements:
     precisions = getattr(F, "FIT_PRECISIONS", PRECISIONS)  # what build_problem keeps
     gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in precisions]
     return Measurements(e2e=list(meas.e2e), collectives=colls, gemms=gemms, skipped=meas.skipped)
-
-
-def shape_key(r) -> tuple:
-    m = r.model
-    return (m.n_layers, m.hidden, m.ffn_hidden, m.heads, m.kv_heads, m.seq_len)
-
-
-def grouped_folds(rows, k: int, seed: int = 0) -> np.ndarray:
-    """Fold index per row; rows with the same model shape share a fold (grouped k-fold), and
-    every source's rows are spread over the folds (stratified by source): groups are shuffled
-    with ``seed``, then, largest first, each goes to the fold where the sources it holds have
-    the smallest share so far (ties: fewest rows). Balancing rows alone would put the 8 large
-    vTrain shapes into the folds one by one and leave the few dozen shapes of every other
-    source to whichever folds are still small: about half of a source held out at once."""
-    groups: dict[tuple, list[int]] = collections.defaultdict(list)
-    for i, r in enumerate(rows):
-        groups[shape_key(r)].append(i)
-    names = sorted(groups)
-    perm = np.random.default_rng(seed).permutation(len(names))
-    order = sorted(perm, key=lambda j: -len(groups[names[j]]))  # stable: shuffled ties
-    source_rows = collections.Counter(r.source_name for r in rows)
-    share = collections.defaultdict(float)  # (fold, source) -> fraction of the source's rows
-    fold = np.empty(len(rows), dtype=int)
-    sizes = [0] * k
-    for j in order:
-        idx = groups[names[j]]
-        here = collections.Counter(rows[i].source_name for i in idx)
-        cost = [
-            (max(share[f, s] + n / source_rows[s] for s, n in here.items()), sizes[f])
-            for f in range(k)
-        ]
-        f = min(range(k), key=lambda f: cost[f])
-        fold[idx] = f
-        sizes[f] += len(idx)
-        for s, n in here.items():
-            share[f, s] += n / source_rows[s]
-    return fold
 
 
 def subset(meas: Measurements, e2e=None, coll=None, gemm=None) -> Measurements:

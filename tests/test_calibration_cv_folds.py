@@ -1,15 +1,10 @@
-"""Fold assignment of benchmarks/calibration_cv.py: grouped by shape, stratified by source."""
+"""Cross-validation folds (calibration.cv): grouped by shape, stratified by source."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "calibration_cv.py"
-_spec = importlib.util.spec_from_file_location("calibration_cv", _PATH)
-cv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cv)
+from calibration import cv
 
 
 def _rows(source, n_shapes, per_shape, hidden0):
