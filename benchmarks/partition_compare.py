@@ -2,9 +2,9 @@
 
     python benchmarks/partition_compare.py [--json]
 
-``compare`` runs the three solvers of ``diffcost.partition`` on one problem and times them;
-``partition_case`` builds the benchmark case (GPT-3 175B on Selene, 16 pipeline stages, memory
-bound on the early stages). ``benchmarks/search.py`` reports it as its partition row;
+``compare`` runs the three solvers (``diffcost.partition.solve_dp`` and the two of
+``diffcost.partition_search``) on one problem and times them; ``partition_case`` builds the
+benchmark case (GPT-3 175B on Selene, 16 pipeline stages, memory bound on the early stages). ``benchmarks/search.py`` reports it as its partition row;
 ``tests/test_partition.py`` checks the case and the comparison.
 """
 
@@ -24,20 +24,22 @@ sys.path.insert(0, str(ROOT))
 
 from diffcost import config  # noqa: E402
 from diffcost.partition import (  # noqa: E402
-    GradientSettings,
     Partition,
     PartitionProblem,
-    local_search,
     problem_for,
-    relaxed_search,
-    round_layers,
     score,
-    solve_coordinate_descent,
     solve_dp,
-    solve_gradient,
     stage_tables,
     uniform_partition,
     uniform_time_s,
+)
+from diffcost.partition_search import (  # noqa: E402
+    GradientSettings,
+    local_search,
+    relaxed_search,
+    round_layers,
+    solve_coordinate_descent,
+    solve_gradient,
 )
 from diffcost.profiles import params_for  # noqa: E402
 from diffcost.specs import PlanSpec  # noqa: E402

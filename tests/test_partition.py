@@ -14,19 +14,21 @@ import pytest
 from helpers import CLUSTER, GPT, LLAMA, MOE, arrays
 from jax.test_util import check_grads
 
-from diffcost import default_params, partition
+from diffcost import default_params, partition, partition_search
 from diffcost.partition import (
-    GradientSettings,
     InfeasiblePartitionError,
     evaluate,
     min_peak_memory,
     problem_for,
-    relaxed_objective,
-    solve_coordinate_descent,
     solve_dp,
-    solve_gradient,
     uniform_partition,
     uniform_problem,
+)
+from diffcost.partition_search import (
+    GradientSettings,
+    relaxed_objective,
+    solve_coordinate_descent,
+    solve_gradient,
 )
 from diffcost.simulate import simulate
 from diffcost.specs import PlanSpec
@@ -187,7 +189,7 @@ def test_round_layers_keeps_the_sum_and_at_least_one_layer():
         p = int(rng.integers(2, 17))
         n = int(rng.integers(p, 97))
         shares = rng.dirichlet(np.full(p, rng.choice([0.05, 1.0, 50.0])))
-        rounded = partition.round_layers(n * shares, n)
+        rounded = partition_search.round_layers(n * shares, n)
         assert rounded.sum() == n and rounded.min() >= 1
         assert np.all(np.abs(rounded - n * shares) < 1.0 + p)
 
@@ -240,10 +242,10 @@ def test_gradient_search_on_benchmark_case(gpt3_case):
 def test_relaxed_search_compiles_once_per_shape():
     problem = uniform_problem(12, 4, capacity_bytes=20.0, n_microbatches=8.0)
     solve_gradient(problem, starts=8, steps=100, settings=SMALL_SETTINGS)
-    size = partition.relaxed_search._cache_size()
+    size = partition_search.relaxed_search._cache_size()
     other = problem.replace(layer_s=np.float64(1.7), capacity_bytes=np.float64(25.0))
     solve_gradient(other, starts=8, steps=100, seed=3, settings=SMALL_SETTINGS)
-    assert partition.relaxed_search._cache_size() == size
+    assert partition_search.relaxed_search._cache_size() == size
 
 
 @pytest.mark.parametrize("seed", range(4))
