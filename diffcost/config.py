@@ -36,6 +36,9 @@ from typing import Any
 
 import yaml
 
+from diffcost import constraints
+from diffcost.constraints import divisors as _divisors
+from diffcost.constraints import join as _join
 from diffcost.specs import (
     PLACED_DIMS,
     PRECISIONS,
@@ -551,15 +554,6 @@ def _build(
     return cls(**kwargs)
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _join(values: Iterable[Any]) -> str:
-    return ", ".join(str(v) for v in values)
-
-
 def _build_moe(value: Any, where: str, path: str) -> MoeSpec | None:
     if value is None:
         return None
@@ -811,151 +805,9 @@ def load_experiment(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_gpus(plan: PlanSpec, n_gpus: int | None) -> list[str]:
-    if n_gpus is None or plan.n_gpus == n_gpus:
-        return []
-    message = (
-        f"dp*tp*pp*cp = {plan.dp}*{plan.tp}*{plan.pp}*{plan.cp} = {plan.n_gpus} "
-        f"does not equal gpus={n_gpus}"
-    )
-    others = plan.tp * plan.pp * plan.cp
-    if n_gpus % others == 0:
-        message += f"; dp={n_gpus // others} would match"
-    return [message]
-
-
-def _check_heads(model: ModelSpec, plan: PlanSpec) -> list[str]:
-    valid = _join(_divisors(math.gcd(model.heads, model.kv_heads)))
-    tail = f"; valid tp values dividing both heads={model.heads} and kv_heads={model.kv_heads}: "
-    for field in ("heads", "kv_heads"):
-        value = getattr(model, field)
-        if value % plan.tp:
-            return [f"{field}={value} is not divisible by tp={plan.tp}{tail}{valid}"]
-    return []
-
-
-def _check_layers(model: ModelSpec, plan: PlanSpec) -> list[str]:
-    stages = plan.pp * plan.chunks
-    if model.n_layers % stages == 0:
-        return []
-    valid = _join(d // plan.chunks for d in _divisors(model.n_layers) if d % plan.chunks == 0)
-    return [
-        f"n_layers={model.n_layers} is not divisible by pp*chunks = {plan.pp}*{plan.chunks} "
-        f"= {stages}; valid pp values for chunks={plan.chunks}: "
-        f"{valid or 'none (chunks must divide n_layers)'}"
-    ]
-
-
-def _check_batch(plan: PlanSpec, strict: bool) -> list[str]:
-    per_step = plan.dp * plan.microbatch
-    if plan.global_batch < per_step:
-        return [
-            f"global_batch={plan.global_batch} is smaller than dp*microbatch = {plan.dp}*"
-            f"{plan.microbatch} = {per_step}: fewer than one microbatch per data-parallel rank; "
-            f"use global_batch >= {per_step} or a smaller microbatch"
-        ]
-    if strict and plan.global_batch % per_step:
-        lower = plan.global_batch // per_step * per_step
-        return [
-            f"global_batch={plan.global_batch} is not divisible by dp*microbatch = {plan.dp}*"
-            f"{plan.microbatch} = {per_step}: the number of microbatches would be fractional "
-            f"({plan.n_microbatches:g}); nearest valid global_batch: {lower} or "
-            f"{lower + per_step}"
-        ]
-    return []
-
-
-def _check_experts(model: ModelSpec, plan: PlanSpec) -> list[str]:
-    if model.moe is None:
-        if plan.ep > 1:
-            return [
-                f"ep={plan.ep} needs a mixture-of-experts model, but model {model.name!r} has "
-                "no moe; use ep=1 or add moe: {experts: N, top_k: K}"
-            ]
-        return []
-    problems = []
-    if plan.dp % plan.ep:
-        problems.append(
-            f"ep={plan.ep} does not divide dp={plan.dp}; valid ep values: "
-            f"{_join(d for d in _divisors(plan.dp) if model.moe.experts % d == 0)}"
-        )
-    if model.moe.experts % plan.ep:
-        problems.append(
-            f"moe.experts={model.moe.experts} is not divisible by ep={plan.ep}; valid ep values: "
-            f"{_join(_divisors(model.moe.experts))}"
-        )
-    return problems
-
-
-def _check_context(model: ModelSpec, plan: PlanSpec) -> list[str]:
-    if plan.cp == 1 or model.seq_len % (2 * plan.cp) == 0:
-        return []
-    valid = _join([1] + [d // 2 for d in _divisors(model.seq_len) if d % 2 == 0 and d > 2])
-    return [
-        f"seq_len={model.seq_len} is not divisible by 2*cp = {2 * plan.cp}: context parallelism "
-        f"splits the sequence into 2*cp chunks for load balancing; valid cp values: {valid}"
-    ]
-
-
-def _check_precision(model: ModelSpec, cluster: ClusterSpec) -> list[str]:
-    if model.precision in cluster.gpu.peak_tflops:
-        return []
-    return [
-        f"precision={model.precision!r} has no peak on GPU {cluster.gpu.name!r} of cluster "
-        f"{cluster.name!r} (gpu.peak_tflops); this GPU has: "
-        f"{_join(sorted(cluster.gpu.peak_tflops))}"
-    ]
-
-
-def _check_nodes(cluster: ClusterSpec, plan: PlanSpec) -> list[str]:
-    n, per_node = plan.n_gpus, cluster.gpus_per_node
-    if n % per_node == 0 or per_node % n == 0:
-        return []
-    return [
-        f"dp*tp*pp*cp = {n} GPUs do not fit whole nodes of gpus_per_node={per_node} "
-        f"(cluster {cluster.name!r}): use a multiple of {per_node} or one of "
-        f"{_join(_divisors(per_node))}"
-    ]
-
-
-def check_plan(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    plan: PlanSpec,
-    n_gpus: int | None = None,
-    strict: bool = True,
-) -> list[str]:
-    """Cross-check a plan against a model and a cluster.
-
-    Args:
-        model: the model.
-        cluster: the cluster.
-        plan: the plan.
-        n_gpus: when given, dp*tp*pp*cp must equal it.
-        strict: when False, skip the checks that published runs may violate: ``n_layers``
-            divisible by ``pp*chunks`` (uneven first/last stages), ``global_batch`` divisible by
-            ``dp*microbatch``, and the GPU count filling whole nodes (e.g. 256 GPUs on 72-GPU
-            NVL72 racks).
-
-    Returns:
-        One message per problem; empty when the combination is valid.
-
-    Examples:
-        >>> m = ModelSpec("m", 4, 64, 256, 4, 4, 128, 1000)
-        >>> c = ClusterSpec("c", GpuSpec("g", {"bf16": 1.0}, 1.0, 1.0), 8, 1.0, 0.0, 1, 1.0, 0.0)
-        >>> check_plan(m, c, PlanSpec(tp=8, dp=1), n_gpus=8)
-        ['heads=4 is not divisible by tp=8; valid tp values dividing both heads=4 and kv_heads=4: 1, 2, 4']
-    """  # noqa: E501
-    return [
-        *_check_gpus(plan, n_gpus),
-        *(_check_nodes(cluster, plan) if strict else []),
-        *_check_heads(model, plan),
-        *(_check_layers(model, plan) if strict else []),
-        *_check_batch(plan, strict),
-        *_check_experts(model, plan),
-        *_check_context(model, plan),
-        *_check_precision(model, cluster),
-    ]
+# The plan rules and their messages live in ``diffcost.constraints`` (one table for the config
+# check, the traced validity mask, the plan space and the search's penalties).
+check_plan = constraints.problems
 
 
 def validate_experiment(exp: Experiment, n_gpus: int | None = None, strict: bool = True) -> None:

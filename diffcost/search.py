@@ -8,10 +8,12 @@
    degree and the interleaving depth live in log space between their bounds; the schedule,
    ZeRO stage, recompute mode and rank order are softmax mixtures whose temperature anneals
    from 1 to ``tau_end``. The objective is ``log(iteration time)`` plus smooth penalties: memory
-   over capacity, degrees past their largest valid value, and (ramped in over the second half)
-   ``sin^2`` divisibility terms for heads / tp, layers / pp and global batch / (dp *
-   microbatch). Many random starts descend at once (``jax.vmap``) under one ``jax.lax.scan``
-   of optax Adam steps, in one jit-compiled call.
+   over capacity, degrees past their largest valid value, the plan rules' log2 excesses
+   (``constraints.relaxed_penalties``: more virtual stages than layers, fewer sequences than
+   dp * microbatch) and, ramped in over the second half, their ``sin^2`` divisibility terms
+   (heads / tp, layers / pp, global batch / (dp * microbatch)). Many random starts descend at
+   once (``jax.vmap``) under one ``jax.lax.scan`` of optax Adam steps, in one jit-compiled
+   call.
 2. **Rounding.** Each start's relaxed plan is rounded to nearby valid discrete plans: the
    ``neighbours`` valid degree tuples nearest in log2 space, the two nearest valid microbatch
    sizes, and the two most probable schedules, recompute modes and ZeRO stages.
@@ -38,7 +40,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from diffcost import smooth
+from diffcost import constraints, smooth
 from diffcost.arrays import PlanArrays, cluster_arrays, model_arrays
 from diffcost.cache import fast_compile_jit
 from diffcost.config import check_plan
@@ -49,15 +51,15 @@ from diffcost.space import Choice, Space
 from diffcost.specs import PLACED_DIMS, RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES
 from diffcost.sweep import evaluate as evaluate_plans
 
-_TP, _CP, _DP, _PP = range(4)  # index of each degree in the share vector (PLACED_DIMS order)
-assert PLACED_DIMS == ("tp", "cp", "dp", "pp")
+# index of each degree in the share vector and in a degree tuple (both in PLACED_DIMS order)
+_TP, _CP, _DP, _PP = (PLACED_DIMS.index(d) for d in ("tp", "cp", "dp", "pp"))
 
 
 @struct.dataclass
 class RelaxedPlan:
     """Unconstrained variables of a relaxed plan (see the module docstring)."""
 
-    shares: jax.Array  # [4] logits of the log2 shares of (tp, cp, dp, pp)
+    shares: jax.Array  # [4] logits of the log2 shares of the degrees (PLACED_DIMS order)
     microbatch: jax.Array  # logit of log2(microbatch) between 0 and its bound
     ep: jax.Array  # logit of log2(ep) between 0 and min(log2 dp, log2 experts)
     chunks: jax.Array  # logit of log2(chunks) between 0 and log2(largest chunks)
@@ -72,13 +74,11 @@ class Bounds:
     """The space's numbers that the relaxed objective needs, as arrays (traced, not static)."""
 
     log2_gpus: jax.Array
-    log2_max: jax.Array  # [4] log2 of the largest valid tp, cp, dp, pp
+    log2_max: jax.Array  # [4] log2 of the largest valid degree (PLACED_DIMS order)
     log2_mb_max: jax.Array
     log2_experts: jax.Array
     log2_chunks_max: jax.Array
     global_batch: jax.Array
-    heads: jax.Array  # gcd(heads, kv_heads): tp must divide it
-    n_layers: jax.Array
     sequence_parallel: jax.Array
     overlap_dp: jax.Array
     overlap_tp: jax.Array
@@ -154,19 +154,16 @@ def bounds_for(space: Space, dtype=None) -> Bounds:
     """The arrays of ``space`` that the relaxed objective reads."""
     f = lambda v: np.asarray(v, dtype=dtype or jnp.result_type(float))  # noqa: E731
     m = space.model
-    tuples = np.array(space.degree_tuples(), dtype=float)  # tp, pp, dp, cp
-    largest = tuples.max(axis=0)
+    largest = np.array(space.degree_tuples(), dtype=float).max(axis=0)
     experts = m.moe.experts if m.moe else 1
     ranks = [[o.index(d) for d in PLACED_DIMS] for o in space.orders]
     return Bounds(
         log2_gpus=f(math.log2(space.n_gpus)),
-        log2_max=f(np.log2([largest[0], largest[3], largest[2], largest[1]])),
+        log2_max=f(np.log2(largest)),
         log2_mb_max=f(math.log2(max(space.microbatches))),
         log2_experts=f(math.log2(experts)),
         log2_chunks_max=f(math.log2(max(space.chunks))),
         global_batch=f(space.global_batch),
-        heads=f(math.gcd(m.heads, m.kv_heads)),
-        n_layers=f(m.n_layers),
         sequence_parallel=f(float(space.sequence_parallel)),
         overlap_dp=f(float(space.overlap_dp)),
         overlap_tp=f(float(space.overlap_tp)),
@@ -176,7 +173,7 @@ def bounds_for(space: Space, dtype=None) -> Bounds:
 
 
 def log2_degrees(r: RelaxedPlan, b: Bounds):
-    """log2 of (tp, cp, dp, pp): shares of log2(n_gpus) on the simplex."""
+    """log2 of the degrees (PLACED_DIMS order): shares of log2(n_gpus) on the simplex."""
     return jax.nn.softmax(r.shares) * b.log2_gpus
 
 
@@ -187,7 +184,7 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
     ``simulate._strides`` for how mixed ranks place the dimensions).
     """
     lg = log2_degrees(r, b)
-    tp, cp, dp, pp = (2.0 ** lg[i] for i in range(4))
+    tp, cp, dp, pp = (2.0 ** lg[i] for i in (_TP, _CP, _DP, _PP))
     lg_mb_room = smooth.clip_exact(jnp.log2(b.global_batch) - lg[_DP], 0.0, b.log2_mb_max)
     mb = 2.0 ** (jax.nn.sigmoid(r.microbatch) * lg_mb_room)
     ep = 2.0 ** (jax.nn.sigmoid(r.ep) * jnp.minimum(lg[_DP], b.log2_experts))
@@ -212,29 +209,18 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
     )
 
 
-def _sin2(x):
-    return jnp.sin(jnp.pi * x) ** 2
-
-
 def objective(r: RelaxedPlan, model, cluster, params: Params, b: Bounds, tau, w_div, cfg_w):
     """log(iteration time) + penalties of one relaxed plan (a scalar; see module docstring)."""
     w_mem, w_bound = cfg_w
     plan = decode(r, b, tau)
     out = simulate(model, plan, cluster, params)
     excess = out.memory_excess_bytes / out.memory_capacity_bytes
-    lg = log2_degrees(r, b)
-    interleave = lg[_PP] + jnp.log2(plan.chunks) * plan.schedule[2] - jnp.log2(b.n_layers)
+    divis, rule_excess = constraints.relaxed_penalties(model, plan, cluster)
     over = jnp.concatenate(
         [
-            jax.nn.relu(lg - b.log2_max),  # a degree past its largest valid value
-            jax.nn.relu(lg[_DP] - jnp.log2(b.global_batch))[None],  # dp > global batch
-            jax.nn.relu(interleave)[None],  # more virtual stages than layers
+            jax.nn.relu(log2_degrees(r, b) - b.log2_max),  # a degree past its largest valid value
+            jax.nn.relu(rule_excess),
         ]
-    )
-    divis = (
-        _sin2(b.heads / plan.tp)
-        + _sin2(b.n_layers / plan.pp)
-        + _sin2(b.global_batch / (plan.dp * plan.microbatch))
     )
     return (
         jnp.log(out.iteration_s)
@@ -345,7 +331,7 @@ class _Moves:
 
     def __init__(self, space: Space):
         self.space = space
-        self.tuples = space.degree_tuples()  # (tp, pp, dp, cp)
+        self.tuples = space.degree_tuples()  # (tp, cp, dp, pp)
         self.log_tuples = np.log2(np.array(self.tuples, dtype=float))
         # one prime factor moved between two degrees: L1 distance in log2 of 2 log2(prime)
         near = np.abs(self.log_tuples[:, None, :] - self.log_tuples[None, :, :]).sum(-1)
@@ -353,12 +339,11 @@ class _Moves:
         self.index = {t: i for i, t in enumerate(self.tuples)}
 
     def microbatches(self, dp):
-        gb = self.space.global_batch
-        return [mb for mb in self.space.microbatches if gb % (dp * mb) == 0]
+        return self.space.microbatch_choices(dp)
 
     def complete(self, deg, mb_log2, ep_log2, sched_pref, chunks_log2, rec, zero, order):
         """The valid Choice on degree tuple ``deg`` closest to the given preferences."""
-        tp, pp, dp, cp = deg
+        tp, cp, dp, pp = deg
         mbs = self.microbatches(dp)
         if not mbs:
             return None
@@ -367,7 +352,7 @@ class _Moves:
         ep = min(eps, key=lambda v: abs(math.log2(v) - ep_log2))
         options = self.space.schedules(pp, self.space.global_batch // (dp * mb))
         sched, v = self._schedule(options, sched_pref, chunks_log2)
-        return Choice(tp, pp, dp, cp, ep, mb, sched, v, rec, zero, order)
+        return Choice(tp, cp, dp, pp, ep, mb, sched, v, rec, zero, order)
 
     @staticmethod
     def _schedule(options, preference, chunks_log2):
@@ -380,7 +365,7 @@ class _Moves:
     def neighbours(self, c: Choice) -> list[Choice]:
         s = self.space
         out = []
-        i = self.index[(c.tp, c.pp, c.dp, c.cp)]
+        i = self.index[(c.tp, c.cp, c.dp, c.pp)]
         pref = (c.schedule, "1f1b", "gpipe")
         for j in self.adjacent[i]:
             d = self.tuples[j]
@@ -393,7 +378,7 @@ class _Moves:
         for mb in self.microbatches(c.dp):
             if mb != c.microbatch:
                 n = self.complete(
-                    (c.tp, c.pp, c.dp, c.cp), math.log2(mb), math.log2(c.ep), pref,
+                    (c.tp, c.cp, c.dp, c.pp), math.log2(mb), math.log2(c.ep), pref,
                     math.log2(c.chunks), c.recompute, c.zero, c.order,
                 )  # fmt: skip
                 out.append(n)
@@ -413,11 +398,8 @@ def round_relaxed(moves: _Moves, relaxed: RelaxedPlan, bounds: Bounds, k: int) -
     r = jax.tree_util.tree_map(np.asarray, relaxed)
     b = jax.tree_util.tree_map(np.asarray, bounds)
     shares = np.exp(r.shares - r.shares.max(-1, keepdims=True))
-    lg = shares / shares.sum(-1, keepdims=True) * b.log2_gpus  # tp, cp, dp, pp
-    lg_tuples = np.stack(
-        [lg[:, _TP], lg[:, _PP], lg[:, _DP], lg[:, _CP]], axis=-1
-    )  # tuple order tp, pp, dp, cp
-    dist = np.abs(lg_tuples[:, None, :] - moves.log_tuples[None, :, :]).sum(-1)
+    lg = shares / shares.sum(-1, keepdims=True) * b.log2_gpus  # PLACED_DIMS order, as tuples
+    dist = np.abs(lg[:, None, :] - moves.log_tuples[None, :, :]).sum(-1)
     nearest = np.argsort(dist, axis=1)[:, :k]
     sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
     out = []

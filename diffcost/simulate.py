@@ -29,14 +29,12 @@ relaxed plan a smooth blend.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffcost import smooth, workload
+from diffcost import constraints, smooth, workload
 from diffcost.arrays import ClusterArrays, ModelArrays, PlanArrays
 from diffcost.params import Params
 from diffcost.stages import WEIGHT_BYTES, StageTimes, grad_bytes, multi_stage, stage_times
@@ -65,7 +63,6 @@ OPTIMIZER_STATE_BYTES = 12.0  # fp32 master weights + Adam m and v
 LOGIT_BYTES = 4.0  # fp32 logits and their gradient on the last stage
 RUNTIME_RESERVE_BYTES = 1.0 * 2**30  # CUDA context, allocator fragmentation, workspaces
 DP_BUCKET_BYTES = 40e6  # gradient bucket buffers (two in flight)
-_DIVISIBILITY_TOL = 1e-6
 
 
 @struct.dataclass
@@ -124,25 +121,9 @@ def time_part(b: Breakdown, name: str) -> np.ndarray:
     return np.where(np.abs(x) <= 64.0 * np.finfo(x.dtype).eps * total, 0.0, x).astype(x.dtype)
 
 
-def _divides(a, b):
-    q = a / b
-    return jnp.abs(q - jnp.round(q)) < _DIVISIBILITY_TOL * jnp.maximum(1.0, q)
-
-
 def plan_is_valid(model: ModelArrays, plan: PlanArrays, cluster: ClusterArrays):
-    """True where the plan satisfies the structural checks (as a traced boolean)."""
-    layers_per_chunk = plan.pp * plan.chunks
-    checks = [
-        _divides(model.heads, plan.tp),
-        _divides(model.kv_heads, plan.tp),
-        _divides(model.n_layers, layers_per_chunk),
-        _divides(plan.global_batch, plan.dp * plan.microbatch),
-        _divides(model.experts, plan.ep),
-        _divides(plan.dp, plan.ep),
-        _divides(model.seq_len, plan.cp),
-        jnp.sum(model.precision * cluster.peak_flops) > 0.0,
-    ]
-    return functools.reduce(jnp.logical_and, checks)
+    """True where the plan satisfies every rule of ``diffcost.constraints`` (a traced boolean)."""
+    return constraints.is_valid(model, plan, cluster)
 
 
 def _stage_kinds(p):

@@ -7,24 +7,28 @@ lists every valid choice directly as a batched ``PlanArrays`` (numpy leaves, lea
 configuration), so that millions of them cost no Python objects each; ``to_arrays`` does the
 same for any list of choices (the candidates of a search).
 
-Valid means: the degrees multiply to the GPU count; tp divides heads and kv_heads; pp * chunks
-divides the layers; dp * microbatch divides the global batch; cp splits the sequence in 2 cp
-chunks; ep divides the experts and dp (1 for a dense model); interleaving needs pp > 1 and a
-microbatch count that is a multiple of pp. ``config.check_plan`` accepts every valid choice.
+Valid means: the choice satisfies every rule of ``diffcost.constraints`` (the table that
+``config.check_plan`` and ``simulate.plan_is_valid`` evaluate too) and takes its values from the
+space's menus. The enumeration checks each rule as soon as the degrees, microbatch size and
+schedule it reads are chosen. The parallel degrees are in ``PLACED_DIMS`` order (tp, cp, dp, pp)
+in a ``Choice`` and in a degree tuple.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 from typing import NamedTuple
 
 import numpy as np
 
+from diffcost import constraints
 from diffcost.arrays import PlanArrays
-from diffcost.config import ConfigError, _divisors, _join
+from diffcost.config import ConfigError
+from diffcost.constraints import divisors, join
 from diffcost.specs import (
     PLACED_DIMS,
     RECOMPUTE_MODES,
@@ -45,9 +49,9 @@ class Choice(NamedTuple):
     """One discrete plan of a ``Space`` (hashable; ``order`` indexes ``Space.orders``)."""
 
     tp: int
-    pp: int
-    dp: int
     cp: int
+    dp: int
+    pp: int
     ep: int
     microbatch: int
     schedule: str
@@ -97,78 +101,100 @@ class Space:
     grad_reduce_fp32: bool = True
 
     # --- the rules -----------------------------------------------------------------------
+    @functools.cached_property
+    def _request(self) -> dict:
+        """The quantities (``diffcost.constraints``) the space fixes before any choice."""
+        return constraints.request_quantities(
+            self.model, self.cluster, self.n_gpus, self.global_batch
+        )
+
     def structural_splits(self) -> list[tuple[int, int, int, int]]:
-        """(tp, pp, dp, cp) with ``tp*pp*dp*cp == n_gpus``: tp divides heads and kv_heads, pp
-        the layers, and cp <= max_cp splits the sequence (the global batch not consulted)."""
-        m, n = self.model, self.n_gpus
+        """(tp, cp, dp, pp) with ``tp*cp*dp*pp == n_gpus`` and cp <= max_cp that satisfy every
+        rule on the degrees alone, with one chunk per stage (the global batch not consulted)."""
+        n, ok = self.n_gpus, constraints.holds
+        base = {**self._request, "chunks": 1, "interleaved": 0}
+        if not ok(base):
+            return []
         out = []
-        for tp in _divisors(n):
-            if m.heads % tp or m.kv_heads % tp:
+        for tp in divisors(n):
+            with_tp = {**base, "tp": tp}
+            if not ok(with_tp, ["tp"]):
                 continue
-            for pp in _divisors(n // tp):
-                if m.n_layers % pp:
+            for pp in divisors(n // tp):
+                with_pp = {**with_tp, "pp": pp}
+                if not ok(with_pp, ["pp"]):
                     continue
-                for cp in _divisors(n // (tp * pp)):
-                    if cp > self.max_cp or (cp > 1 and m.seq_len % (2 * cp)):
-                        continue
-                    out.append((tp, pp, n // (tp * pp * cp), cp))
+                for cp in divisors(n // (tp * pp)):
+                    dp = n // (tp * pp * cp)
+                    if cp <= self.max_cp and ok({**with_pp, "cp": cp, "dp": dp}, ["cp", "dp"]):
+                        out.append((tp, cp, dp, pp))
         return out
 
     def degree_tuples(self) -> list[tuple[int, int, int, int]]:
-        """The structural splits whose dp times some microbatch size divides the global batch."""
-        return [
-            (tp, pp, dp, cp)
-            for tp, pp, dp, cp in self.structural_splits()
-            if any(self.global_batch % (dp * mb) == 0 for mb in self.microbatches)
-        ]
+        """The structural splits (tp, cp, dp, pp) with at least one valid microbatch size."""
+        return [t for t in self.structural_splits() if self.microbatch_choices(t[2])]
+
+    def microbatch_choices(self, dp: int) -> list[int]:
+        """The menu's microbatch sizes that the rules allow with ``dp`` data-parallel ranks."""
+        q = {**self._request, "dp": dp}
+        menu = self.microbatches
+        return [mb for mb in menu if constraints.holds({**q, "microbatch": mb}, ["microbatch"])]
 
     def ep_choices(self, dp: int) -> list[int]:
-        experts = self.model.moe.experts if self.model.moe else 1
-        return [e for e in _divisors(dp) if experts % e == 0]
+        """The expert-parallel degrees the rules allow with ``dp`` data-parallel ranks."""
+        q = {**self._request, "dp": dp}
+        return [e for e in divisors(dp) if constraints.holds({**q, "ep": e}, ["ep"])]
 
     def schedules(self, pp: int, n_micro: int) -> list[tuple[str, int]]:
-        """(schedule, chunks) pairs valid for ``pp`` stages and ``n_micro`` microbatches."""
-        if pp == 1:
-            return [("1f1b", 1)]
-        out = [("gpipe", 1), ("1f1b", 1)]
-        if n_micro % pp == 0:
-            out += [("interleaved", v) for v in self.chunks if self.model.n_layers % (pp * v) == 0]
-        return out
+        """(schedule, chunks) pairs valid for ``pp`` stages and ``n_micro`` microbatches.
+
+        GPipe is left out for one stage, where it is the same schedule as 1F1B.
+        """
+        q = {**self._request, "pp": pp, "n_microbatches": n_micro}
+        options = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)]
+        options += [("interleaved", v) for v in self.chunks]
+        return [
+            (name, v)
+            for name, v in options
+            if constraints.holds(
+                {**q, "chunks": v, "interleaved": int(name == "interleaved")},
+                ["chunks", "interleaved"],
+            )
+        ]
 
     def is_valid(self, c: Choice) -> bool:
-        m = self.model
-        if c.tp * c.pp * c.dp * c.cp != self.n_gpus or min(c.tp, c.pp, c.dp, c.cp) <= 0:
+        """True when ``c`` satisfies every rule and takes its values from the menus."""
+        if min(c.tp, c.cp, c.dp, c.pp, c.ep, c.microbatch) <= 0 or c.cp > self.max_cp:
             return False
-        if m.heads % c.tp or m.kv_heads % c.tp or m.n_layers % (c.pp * c.chunks):
-            return False
-        if c.cp > self.max_cp or (c.cp > 1 and m.seq_len % (2 * c.cp)):
-            return False
-        if c.microbatch not in self.microbatches or self.global_batch % (c.dp * c.microbatch):
-            return False
-        if c.ep not in self.ep_choices(c.dp) or not 0 <= c.order < len(self.orders):
-            return False
-        if c.recompute not in RECOMPUTE_MODES or c.zero not in ZERO_STAGES:
-            return False
-        n_micro = self.global_batch // (c.dp * c.microbatch)
-        return (c.schedule, c.chunks) in self.schedules(c.pp, n_micro)
+        in_menus = (
+            c.microbatch in self.microbatches
+            and c.recompute in RECOMPUTE_MODES
+            and c.zero in ZERO_STAGES
+            and 0 <= c.order < len(self.orders)
+        )
+        q = constraints.spec_quantities(self.model, self.cluster, self.plan_spec(c), self.n_gpus)
+        return (
+            in_menus
+            and constraints.holds(q)
+            and (c.schedule, c.chunks) in self.schedules(c.pp, q["n_microbatches"])
+        )
 
     def choices(self) -> list[Choice]:
         """Every valid choice, degrees outermost."""
         out = []
         with _gc_paused():
-            for tp, pp, dp, cp in self.degree_tuples():
-                for mb in self.microbatches:
-                    if self.global_batch % (dp * mb):
-                        continue
+            for tp, cp, dp, pp in self.degree_tuples():
+                eps = self.ep_choices(dp)
+                for mb in self.microbatch_choices(dp):
                     n_micro = self.global_batch // (dp * mb)
                     for ep, (sched, v), rec, zero, order in itertools.product(
-                        self.ep_choices(dp),
+                        eps,
                         self.schedules(pp, n_micro),
                         RECOMPUTE_MODES,
                         ZERO_STAGES,
                         range(len(self.orders)),
                     ):
-                        out.append(Choice(tp, pp, dp, cp, ep, mb, sched, v, rec, zero, order))
+                        out.append(Choice(tp, cp, dp, pp, ep, mb, sched, v, rec, zero, order))
         return out
 
     # --- conversions -----------------------------------------------------------------------
@@ -250,18 +276,9 @@ def make_space(
         raise ConfigError(f"gpus={n_gpus}: need at least 1 GPU")
     if global_batch < 1:
         raise ConfigError(f"global_batch={global_batch}: need at least 1 sequence")
-    per_node = cluster.gpus_per_node
-    if n_gpus % per_node and per_node % n_gpus:
-        raise ConfigError(
-            f"gpus={n_gpus} does not fill whole nodes of gpus_per_node={per_node} (cluster "
-            f"{cluster.name!r}): use a multiple of {per_node} or one of "
-            f"{_join(_divisors(per_node))}"
-        )
-    if model.precision not in cluster.gpu.peak_tflops:
-        raise ConfigError(
-            f"precision={model.precision!r} has no peak on GPU {cluster.gpu.name!r}; this GPU "
-            f"has: {_join(sorted(cluster.gpu.peak_tflops))}"
-        )
+    problems = constraints.request_problems(model, cluster, n_gpus, global_batch)
+    if problems:
+        raise ConfigError(f"{model.name} on gpus={n_gpus}: " + "; ".join(problems))
     if not space.degree_tuples():
         raise ConfigError(_why_empty(space))
     return space
@@ -273,8 +290,8 @@ def _why_empty(space: Space) -> str:
     return (
         f"no valid plan for {m.name} on gpus={n} with global_batch={gb}: the splits "
         f"tp*pp*cp*dp = {n} allowed by heads={m.heads}, kv_heads={m.kv_heads}, "
-        f"n_layers={m.n_layers} and cp <= {space.max_cp} leave dp in {{{_join(sorted(dps))}}}, "
-        f"and no dp * microbatch (microbatch from {_join(space.microbatches)}) divides "
+        f"n_layers={m.n_layers} and cp <= {space.max_cp} leave dp in {{{join(sorted(dps))}}}, "
+        f"and no dp * microbatch (microbatch from {join(space.microbatches)}) divides "
         f"global_batch={gb}; choose a global_batch that is a multiple of one of those dp "
         "values, or another GPU count"
     )
