@@ -51,15 +51,27 @@ def smooth_min(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPER
 
 
 def smax2(a, b, temperature: float = DEFAULT_TEMPERATURE):
-    """Elementwise smooth maximum of two broadcastable arrays."""
+    """Elementwise smooth maximum of two broadcastable arrays.
+
+    The same value as ``smooth_max`` over a stacked last axis of two, written element by
+    element: a batched sweep fuses it into the surrounding arithmetic instead of building and
+    reducing a trailing axis of size two.
+    """
     a, b = jnp.broadcast_arrays(jnp.asarray(a), jnp.asarray(b))
-    return smooth_max(jnp.stack([a, b], axis=-1), axis=-1, temperature=temperature)
+    exact = jnp.maximum(a, b)
+    if temperature == 0:
+        return exact
+    scale = (jnp.abs(a) + jnp.abs(b)) / 2.0
+    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
+    tau = temperature * jnp.where(ok, scale, 1.0)
+    m = jax.lax.stop_gradient(exact)
+    out = m + tau * jnp.log(jnp.exp((a - m) / tau) + jnp.exp((b - m) / tau))
+    return jnp.where(ok, out, exact)
 
 
 def smin2(a, b, temperature: float = DEFAULT_TEMPERATURE):
-    """Elementwise smooth minimum of two broadcastable arrays."""
-    a, b = jnp.broadcast_arrays(jnp.asarray(a), jnp.asarray(b))
-    return smooth_min(jnp.stack([a, b], axis=-1), axis=-1, temperature=temperature)
+    """Elementwise smooth minimum of two broadcastable arrays: ``-smax2(-a, -b)``."""
+    return -smax2(-jnp.asarray(a), -jnp.asarray(b), temperature)
 
 
 def smooth_relu(x, scale, temperature: float = DEFAULT_TEMPERATURE):
