@@ -6,13 +6,14 @@ Figures (all from ``calibration.fit.fit`` on the shared data set, ``shared/data`
 
 1. ``by_source`` / ``h100``: grouped 5-fold cross-validation on the end-to-end rows
    (``calibration.cv.grouped_folds``). Folds are grouped by model shape (n_layers, hidden,
-   ffn_hidden, heads, kv_heads, seq_len), so a held-out shape is never seen in training on
-   any cluster, and stratified by source (each source's shapes spread over the five folds). A fold's training set is the other
-   folds' e2e rows of every cluster plus every collective and GEMM row (kernel-level data are
-   always available). Held-out rows are predicted with ``calibration.fit.predict_log`` on a
-   problem built from the held-out rows alone, with the trained device/cluster tables mapped to
-   that problem's family/cluster order (families and clusters without a training row get the
-   datasheet defaults). Per source: rows, MAPE, p90 APE, max APE, Kendall tau.
+   ffn_hidden, heads, kv_heads, seq_len), so a held-out shape is never seen in training on any
+   cluster, and stratified by source (each source's shapes spread over the five folds). A fold's
+   training set is the other folds' e2e rows of every cluster plus every collective and GEMM row
+   (kernel-level data are always available). Held-out rows are predicted with
+   ``calibration.fit.predict_log`` on a problem built from the held-out rows alone, with the
+   trained device/cluster tables mapped to that problem's family/cluster order (families and
+   clusters without a training row get the datasheet defaults). Per source: rows, MAPE, p90 APE,
+   max APE, Kendall tau.
 2. ``cross_source``: fit on vTrain single-node e2e rows + the A100 all-reduce tables only;
    predict the MosaicML A100 rows (``mosaic-a100-40g``, ``mosaic-a100-80g``) without refitting.
    The A100 device constants come from the fit; the Mosaic clusters' own constants stay at

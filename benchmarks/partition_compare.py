@@ -4,8 +4,9 @@
 
 ``compare`` runs the three solvers (``diffcost.partition.solve_dp`` and the two of
 ``diffcost.partition_search``) on one problem and times them; ``partition_case`` builds the
-benchmark case (GPT-3 175B on Selene, 16 pipeline stages, memory bound on the early stages). ``benchmarks/search.py`` reports it as its partition row;
-``tests/test_partition.py`` checks the case and the comparison.
+benchmark case (GPT-3 175B on Selene, 16 pipeline stages, memory bound on the early stages).
+``benchmarks/search.py`` reports it as its partition row; ``tests/test_partition.py`` checks the
+case and the comparison.
 """
 
 from __future__ import annotations

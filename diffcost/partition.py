@@ -39,8 +39,9 @@ References:
     Learning" (OSDI'22), section 5 (pipeline latency and the DP over stage partitions, with
     the enumeration of the bottleneck bound ``t_max``). Narayanan et al., "Efficient
     Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21), the 1F1B
-    schedule and its in-flight microbatches. Korthikanti et al., "Reducing Activation Recomputation in Large
-    Transformer Models" (MLSys'23), activation memory with and without recompute.
+    schedule and its in-flight microbatches. Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models" (MLSys'23), activation memory with and without
+    recompute.
 """
 
 from __future__ import annotations
