@@ -530,18 +530,24 @@ def request_problems(
     return _messages(q, model, cluster, strict=True)
 
 
+# Rules the validity mask leaves out: a job on part of a node or rack (128 GPUs of 72-GPU NVL72
+# racks) runs and is predicted like any other; only the plan space keeps to whole nodes.
+MASK_SKIPS = ("nodes",)
+
+
 def is_valid(model, plan, cluster):
-    """Whether one plan's arrays satisfy every rule, as a traced boolean.
+    """Whether one plan's arrays satisfy every rule but ``MASK_SKIPS``, as a traced boolean.
 
     Args:
         model: ``ModelArrays``; plan: ``PlanArrays`` (one plan); cluster: ``ClusterArrays``.
 
     Returns:
-        A boolean scalar array: True exactly where ``problems(..., strict=True)`` is empty for
-        the same discrete plan (degrees divide within ``DIVISIBILITY_TOL``).
+        A boolean scalar array: True exactly where ``problems(..., strict=True)`` reports
+        nothing but ``MASK_SKIPS`` rules for the same discrete plan (degrees divide within
+        ``DIVISIBILITY_TOL``).
     """
     q = array_quantities(model, plan, cluster)
-    return TRACED.all(*(r.test(q, TRACED) for r in RULES))
+    return TRACED.all(*(r.test(q, TRACED) for r in RULES if r.name not in MASK_SKIPS))
 
 
 def relaxed_penalties(model, plan, cluster):
