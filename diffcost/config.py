@@ -23,34 +23,30 @@ Examples:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import functools
-import math
 import os
-import types
-import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from diffcost import constraints
-from diffcost.constraints import divisors as _divisors
-from diffcost.constraints import join as _join
+from diffcost.spec_values import (
+    BUILDERS,
+    SCHEMAS,
+    SECTIONS,
+    ConfigError,
+    check_int,
+    invalid,
+)
 from diffcost.specs import (
-    PLACED_DIMS,
-    PRECISIONS,
-    ZERO_STAGES,
     ClusterSpec,
     Experiment,
-    GpuSpec,
     ModelSpec,
-    MoeSpec,
     PlanSpec,
 )
-from diffcost.topology import INTRA_NODE
 
 __all__ = [
     "ConfigError",
@@ -70,44 +66,6 @@ CONFIGS_ENV = "DIFFCOST_CONFIGS"
 PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
 KINDS = ("models", "clusters", "plans", "examples")
 _KIND_NOUN = {"models": "model", "clusters": "cluster", "plans": "plan", "examples": "experiment"}
-_SECTIONS = {"model": "models", "cluster": "clusters", "plan": "plans"}
-# Keys that document a file and are accepted even where the dataclass has no such field.
-_DOC_KEYS = ("description",)
-# Floating-point fields that may be zero; every other number must be positive.
-_NON_NEGATIVE = frozenset({"nvlink_latency_us", "nic_latency_us"})
-
-
-class ConfigError(ValueError):
-    """A configuration file, preset name or override is invalid.
-
-    The message names the file (when there is one), the dotted field path, the bad value and
-    what would be valid.
-    """
-
-
-# --------------------------------------------------------------------------------------------
-# Schemas: which keys each kind of file may hold.  A value of ``None`` is a leaf; a mapping is a
-# nested section whose keys are checked in turn.
-# --------------------------------------------------------------------------------------------
-
-
-def _leaf_keys(cls: type, *extra: str) -> dict[str, Any]:
-    return {**{f.name: None for f in dataclasses.fields(cls)}, **{k: None for k in extra}}
-
-
-_MOE_SCHEMA = _leaf_keys(MoeSpec)
-_GPU_SCHEMA = {**_leaf_keys(GpuSpec), "peak_tflops": {p: None for p in PRECISIONS}}
-_SCHEMAS: dict[str, dict[str, Any]] = {
-    "models": {**_leaf_keys(ModelSpec, "base", *_DOC_KEYS), "moe": _MOE_SCHEMA},
-    "clusters": {**_leaf_keys(ClusterSpec, "base", *_DOC_KEYS), "gpu": _GPU_SCHEMA},
-    "plans": _leaf_keys(PlanSpec, "base", *_DOC_KEYS),
-}
-_SCHEMAS["examples"] = {
-    "base": None,
-    "description": None,
-    "gpus": None,
-    **{section: _SCHEMAS[kind] for section, kind in _SECTIONS.items()},
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,7 +278,7 @@ def _anchor_base(value: Any, directory: Path) -> Any:
 
 def _normalize_sections(tree: dict[str, Any], directory: Path) -> dict[str, Any]:
     """In an experiment tree, write each ``model``/``cluster``/``plan`` as a mapping."""
-    for section in _SECTIONS:
+    for section in SECTIONS:
         value = tree.get(section)
         if isinstance(value, str):
             tree[section] = {"base": _anchor_base(value, directory)}
@@ -348,7 +306,7 @@ def _load_tree(kind: str, path: Path, chain: tuple[Path, ...] = ()) -> dict[str,
         raise ConfigError(f"cycle of 'base:' references: {cycle}")
     tree = _read_yaml(path)
     where = _display(path)
-    _check_keys(tree, _SCHEMAS[kind], where)
+    _check_keys(tree, SCHEMAS[kind], where)
     if kind == "examples":
         _normalize_sections(tree, path.parent)
     if not chain and kind in ("models", "clusters") and "name" not in tree:
@@ -431,236 +389,6 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     return result
 
 
-# --------------------------------------------------------------------------------------------
-# Values: type and range checks, building the dataclasses.
-# --------------------------------------------------------------------------------------------
-
-
-def _invalid(where: str, path: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"{where}: {path}={value!r} is invalid: expected {expected}")
-
-
-def _check_int(value: Any, where: str, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(where, path, value, f"a positive integer (got {type(value).__name__})")
-    if value < 1:
-        raise _invalid(where, path, value, "a positive integer")
-    return value
-
-
-def _check_float(value: Any, where: str, path: str, allow_zero: bool = False) -> float:
-    bound = "a number >= 0" if allow_zero else "a number > 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        hint = ""
-        if isinstance(value, str) and _looks_numeric(value):
-            hint = f"; YAML reads {value} as text, write it with a '.' before the 'e', e.g. 1.0e+3"
-        raise _invalid(where, path, value, f"{bound} (got {type(value).__name__}{hint})")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise _invalid(where, path, value, bound)
-    return float(value)
-
-
-def _looks_numeric(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_bool(value: Any, where: str, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise _invalid(where, path, value, "true or false")
-    return value
-
-
-def _check_str(value: Any, where: str, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _invalid(where, path, value, "a non-empty string")
-    return value
-
-
-def _check_choice(value: Any, choices: Sequence[Any], where: str, path: str) -> Any:
-    if isinstance(value, bool) or value not in choices:
-        raise _invalid(where, path, value, "one of " + ", ".join(repr(c) for c in choices))
-    return value
-
-
-def _check_scalar(name: str, hint: Any, value: Any, where: str, path: str) -> Any:
-    """Check one leaf value against its dataclass type annotation."""
-    arms = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
-    if type(None) in arms:  # ``X | None``: null is allowed, anything else is checked as X
-        if value is None:
-            return None
-        (hint,) = [arm for arm in arms if arm is not type(None)]
-    if typing.get_origin(hint) is typing.Literal:
-        return _check_choice(value, typing.get_args(hint), where, path)
-    if hint is bool:
-        return _check_bool(value, where, path)
-    if hint is int:
-        return _check_int(value, where, path)
-    if hint is float:
-        return _check_float(value, where, path, allow_zero=name in _NON_NEGATIVE)
-    if hint is str:
-        return value if name == "description" and value == "" else _check_str(value, where, path)
-    raise TypeError(f"no checker for field {name!r} of type {hint!r}")  # a bug, not user input
-
-
-def _build(
-    cls: type,
-    tree: Mapping[str, Any],
-    where: str,
-    prefix: str,
-    special: Mapping[str, Callable[[Any, str], Any]] | None = None,
-) -> Any:
-    """Check the keys present in ``tree`` against ``cls``'s fields and construct it.
-
-    Args:
-        cls: a dataclass of :mod:`diffcost.specs`.
-        tree: merged mapping; keys not among the fields must be ``_DOC_KEYS``.
-        where: file name (or ``"overrides"``) for messages.
-        prefix: dotted path of ``tree`` inside the file, e.g. ``"model."``.
-        special: converters for fields whose type is not a plain scalar, called with the value
-            and its dotted path.
-
-    Returns:
-        An instance of ``cls``.
-
-    Raises:
-        ConfigError: on a missing required key or a bad value.
-    """
-    special = special or {}
-    hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    missing = [
-        f.name
-        for f in fields
-        if f.name not in tree
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        names = ", ".join(f"'{prefix}{m}'" for m in missing)
-        raise ConfigError(f"{where}: missing required key{'s' if len(missing) > 1 else ''} {names}")
-    kwargs = {}
-    for f in fields:
-        if f.name not in tree:
-            continue
-        path = f"{prefix}{f.name}"
-        if f.name in special:
-            kwargs[f.name] = special[f.name](tree[f.name], path)
-        else:
-            kwargs[f.name] = _check_scalar(f.name, hints[f.name], tree[f.name], where, path)
-    return cls(**kwargs)
-
-
-def _build_moe(value: Any, where: str, path: str) -> MoeSpec | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise _invalid(where, path, value, "a mapping {experts: N, top_k: K} or null")
-    moe = _build(MoeSpec, value, where, path + ".")
-    if moe.top_k > moe.experts:
-        raise ConfigError(
-            f"{where}: {path}.top_k={moe.top_k} is invalid: expected at most "
-            f"{path}.experts={moe.experts}"
-        )
-    return moe
-
-
-def _model_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> ModelSpec:
-    """Build and check a :class:`ModelSpec` from a merged mapping."""
-
-    def moe(value: Any, path: str) -> MoeSpec | None:
-        return _build_moe(value, where, path)
-
-    model = _build(ModelSpec, tree, where, prefix, {"moe": moe})
-    if model.heads % model.kv_heads:
-        raise ConfigError(
-            f"{where}: {prefix}heads={model.heads} is not divisible by "
-            f"{prefix}kv_heads={model.kv_heads}; kv_heads must divide heads "
-            f"(valid kv_heads: {_join(_divisors(model.heads))})"
-        )
-    if model.hidden % model.heads:
-        raise ConfigError(
-            f"{where}: {prefix}hidden={model.hidden} is not divisible by "
-            f"{prefix}heads={model.heads} (head size would be {model.hidden / model.heads:g}); "
-            f"valid heads: {_join(_divisors(model.hidden))}"
-        )
-    return model
-
-
-def _peak_tflops(value: Any, where: str, path: str) -> dict[str, float]:
-    if not isinstance(value, Mapping) or not value:
-        raise _invalid(
-            where,
-            path,
-            value,
-            f"a mapping from precision ({_join(PRECISIONS)}) to dense TFLOP/s, e.g. {{bf16: 312}}",
-        )
-    peaks = {}
-    for precision, tflops in value.items():
-        _check_choice(precision, PRECISIONS, where, f"{path} key")
-        peaks[precision] = _check_float(tflops, where, f"{path}.{precision}")
-    return peaks
-
-
-def _cluster_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> ClusterSpec:
-    """Build and check a :class:`ClusterSpec` (with its nested ``gpu:``) from a mapping."""
-
-    def gpu(value: Any, path: str) -> GpuSpec:
-        if not isinstance(value, Mapping):
-            raise _invalid(where, path, value, "a mapping with " + _join(_GPU_SCHEMA))
-
-        def peaks(v: Any, p: str) -> dict[str, float]:
-            return _peak_tflops(v, where, p)
-
-        return _build(GpuSpec, value, where, path + ".", {"peak_tflops": peaks})
-
-    cluster = _build(ClusterSpec, tree, where, prefix, {"gpu": gpu})
-    topology = INTRA_NODE.get(
-        _check_choice(cluster.intra_node, tuple(INTRA_NODE), where, f"{prefix}intra_node")
-    )
-    if why := topology.node_error_fn(cluster.gpus_per_node):
-        raise ConfigError(
-            f"{where}: {prefix}gpus_per_node={cluster.gpus_per_node} does not fit "
-            f"{prefix}intra_node={cluster.intra_node!r}: {why}"
-        )
-    return cluster
-
-
-def _plan_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> PlanSpec:
-    """Build and check a :class:`PlanSpec` from a merged mapping."""
-
-    def zero(value: Any, path: str) -> int:
-        return _check_choice(value, ZERO_STAGES, where, path)
-
-    def order(value: Any, path: str) -> tuple[str, ...]:
-        expected = f"a permutation of [{', '.join(PLACED_DIMS)}] (innermost first)"
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise _invalid(where, path, value, expected)
-        if sorted(value) != sorted(PLACED_DIMS):
-            raise _invalid(where, path, list(value), expected)
-        return tuple(value)
-
-    plan = _build(PlanSpec, tree, where, prefix, {"zero": zero, "order": order})
-    if plan.schedule == "interleaved" and plan.chunks < 2:
-        raise ConfigError(
-            f"{where}: {prefix}chunks={plan.chunks} is invalid with "
-            f"{prefix}schedule='interleaved': expected chunks >= 2 (virtual stages per rank); "
-            "use schedule: 1f1b for one chunk"
-        )
-    if plan.schedule != "interleaved" and plan.chunks > 1:
-        raise ConfigError(
-            f"{where}: {prefix}chunks={plan.chunks} needs an interleaved pipeline, but "
-            f"{prefix}schedule={plan.schedule!r}; use schedule: interleaved or chunks: 1"
-        )
-    return plan
-
-
-_BUILDERS = {"models": _model_from_tree, "clusters": _cluster_from_tree, "plans": _plan_from_tree}
-
-
 def _with_name(tree: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
     if kind in ("models", "clusters") and "name" not in tree:
         tree["name"] = name
@@ -674,11 +402,11 @@ def _load_one(kind: str, name_or_path: str | os.PathLike, overrides: Mapping | N
     if overrides:
         if not isinstance(overrides, Mapping):
             raise ConfigError(f"overrides for {where} must be a mapping, got {overrides!r}")
-        schema = {k: v for k, v in _SCHEMAS[kind].items() if k != "base"}
+        schema = {k: v for k, v in SCHEMAS[kind].items() if k != "base"}
         _check_keys(overrides, schema, "overrides")
         tree = _deep_merge(tree, overrides)
         where += " (with overrides)"
-    return _BUILDERS[kind](tree, where)
+    return BUILDERS[kind](tree, where)
 
 
 def load_model(name_or_path: str | os.PathLike, overrides: Mapping | None = None) -> ModelSpec:
@@ -735,9 +463,9 @@ def _merge_overrides(tree: dict[str, Any], overrides: Mapping[str, Any]) -> dict
     """Merge parsed overrides into an experiment tree; a string section replaces the section."""
     tree = dict(tree)
     for key, value in overrides.items():
-        if key in _SECTIONS and isinstance(value, str):
+        if key in SECTIONS and isinstance(value, str):
             tree[key] = {"base": _anchor_base(value, Path.cwd())}
-        elif key in _SECTIONS and isinstance(value, Mapping) and "base" in value:
+        elif key in SECTIONS and isinstance(value, Mapping) and "base" in value:
             anchored = dict(value, base=_anchor_base(value["base"], Path.cwd()))
             tree[key] = anchored  # a new base replaces the whole section
         elif isinstance(value, Mapping) and isinstance(tree.get(key), Mapping):
@@ -775,10 +503,10 @@ def load_experiment(
     tree = _load_tree("examples", file)
     parsed = parse_overrides(overrides)
     if parsed:
-        _check_keys(parsed, _SCHEMAS["examples"], "overrides")
+        _check_keys(parsed, SCHEMAS["examples"], "overrides")
         tree = _merge_overrides(tree, parsed)
         where += " (with overrides)"
-    missing = [s for s in _SECTIONS if tree.get(s) is None]
+    missing = [s for s in SECTIONS if tree.get(s) is None]
     if missing:
         raise ConfigError(
             f"{where}: missing required key{'s' if len(missing) > 1 else ''} "
@@ -786,15 +514,15 @@ def load_experiment(
             + " (each a preset name or a mapping)"
         )
     specs = {}
-    for section, kind in _SECTIONS.items():
+    for section, kind in SECTIONS.items():
         value = tree[section]
         if not isinstance(value, Mapping):
-            raise _invalid(where, section, value, "a preset name or a mapping")
+            raise invalid(where, section, value, "a preset name or a mapping")
         merged = _resolve_base(kind, value, f"{where}: {section}")
-        specs[section] = _BUILDERS[kind](_with_name(merged, kind, file.stem), where, f"{section}.")
+        specs[section] = BUILDERS[kind](_with_name(merged, kind, file.stem), where, f"{section}.")
     gpus = tree.get("gpus")
     if gpus is not None:
-        gpus = _check_int(gpus, where, "gpus")
+        gpus = check_int(gpus, where, "gpus")
     experiment = Experiment(source=where, **specs)
     validate_experiment(experiment, n_gpus=gpus, strict=strict)
     return experiment
