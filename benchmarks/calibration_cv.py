@@ -461,6 +461,22 @@ def flat_directions(
 # plots
 
 
+def _plan_fields(plan) -> dict:
+    """The plan columns of a reported row."""
+    names = ("n_gpus", "tp", "pp", "dp", "microbatch", "global_batch")
+    return {k: getattr(plan, k) for k in names}
+
+
+def _save(fig, path: Path) -> str:
+    """Lay out, write (110 dpi) and close a figure; its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def make_plots(outdir: Path, cv: dict, ar: dict, cross: dict) -> list[str]:
     import matplotlib
 
@@ -502,11 +518,7 @@ def make_plots(outdir: Path, cv: dict, ar: dict, cross: dict) -> list[str]:
     for ax in axes.ravel()[len(sources) :]:
         ax.axis("off")
     fig.suptitle("Grouped 5-fold CV (by model shape): held-out predicted vs measured")
-    fig.tight_layout()
-    p = outdir / "cv_pred_vs_measured.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(str(p))
+    written.append(_save(fig, outdir / "cv_pred_vs_measured.png"))
 
     resid = cv["log_pred"] - cv["log_meas"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
@@ -526,11 +538,7 @@ def make_plots(outdir: Path, cv: dict, ar: dict, cross: dict) -> list[str]:
         ax.set_ylabel("log(predicted / measured), CV")
     axes[0].legend(fontsize=6, markerscale=2)
     fig.suptitle("CV residuals (dashed: ±10%)")
-    fig.tight_layout()
-    p = outdir / "cv_residuals.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(str(p))
+    written.append(_save(fig, outdir / "cv_residuals.png"))
 
     if ar.get("size") is not None and len(ar["size"]):
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5))
@@ -557,11 +565,7 @@ def make_plots(outdir: Path, cv: dict, ar: dict, cross: dict) -> list[str]:
         ax2.set_xlabel("message size (MiB)")
         ax2.set_ylabel("fit error (predicted / measured - 1), %")
         ax2.set_title("relative error per group size")
-        fig.tight_layout()
-        p = outdir / "allreduce_vtrain_a100.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(str(p))
+        written.append(_save(fig, outdir / "allreduce_vtrain_a100.png"))
 
     if cross.get("log_meas") is not None and len(cross["log_meas"]):
         fig, ax = plt.subplots(figsize=(5.5, 5))
@@ -583,11 +587,7 @@ def make_plots(outdir: Path, cv: dict, ar: dict, cross: dict) -> list[str]:
             "cross-source: fit on vTrain + A100 all-reduce,\npredict MosaicML A100", fontsize=9
         )
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = outdir / "cross_source_mosaic_a100.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(str(p))
+        written.append(_save(fig, outdir / "cross_source_mosaic_a100.png"))
     return written
 
 
@@ -915,12 +915,7 @@ def measure(args) -> dict:
                 "source": r.source_name,
                 "model": r.model.name,
                 "cluster": r.cluster.name,
-                "n_gpus": r.plan.n_gpus,
-                "tp": r.plan.tp,
-                "pp": r.plan.pp,
-                "dp": r.plan.dp,
-                "microbatch": r.plan.microbatch,
-                "global_batch": r.plan.global_batch,
+                **_plan_fields(r.plan),
                 "measured_s": float(np.exp(log_meas[i])),
                 "predicted_s": float(np.exp(cv_pred[i])),
                 "ape_pct": float(ape_cv[i]),
@@ -936,12 +931,7 @@ def measure(args) -> dict:
             "hidden": r.model.hidden,
             "seq_len": r.model.seq_len,
             "precision": r.model.precision,
-            "n_gpus": r.plan.n_gpus,
-            "tp": r.plan.tp,
-            "pp": r.plan.pp,
-            "dp": r.plan.dp,
-            "microbatch": r.plan.microbatch,
-            "global_batch": r.plan.global_batch,
+            **_plan_fields(r.plan),
             "recompute": r.plan.recompute,
             "zero": r.plan.zero,
             "fold": int(folds[i]),

@@ -108,18 +108,10 @@ def read_e2e_csv(path) -> Measurements:
         except RowSkipped as e:
             out.skipped.append((where, str(e)))
             continue
-        out.e2e.append(
-            E2ERecord(
-                model=model,
-                plan=plan,
-                cluster=cluster,
-                measured_iter_s=measured,
-                source_name=row["source"],
-                row=row_no,
-                defaults=tuple(used),
-                where=where,
-            )
+        record = E2ERecord(
+            model, plan, cluster, measured, row["source"], row_no, tuple(used), where
         )
+        out.e2e.append(record)
     return out
 
 

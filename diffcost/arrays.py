@@ -13,16 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffcost.specs import (
-    PLACED_DIMS,
-    PRECISIONS,
-    RECOMPUTE_MODES,
-    SCHEDULES,
-    ZERO_STAGES,
-    ClusterSpec,
-    ModelSpec,
-    PlanSpec,
-)
+from diffcost import specs
+from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
 from diffcost.topology import ring_share
 
 GiB = 2.0**30
@@ -113,17 +105,22 @@ def _one_hot(index: int, n: int) -> np.ndarray:
     return out
 
 
+def _copied(spec, names, f) -> dict:
+    """``{name: f(spec.name)}`` for the numeric fields copied as they are."""
+    return {name: f(getattr(spec, name)) for name in names}
+
+
+def _choice(menu, value, f):
+    """One-hot leaf of ``value`` among ``menu``."""
+    return f(_one_hot(menu.index(value), len(menu)))
+
+
 def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
     """Convert a ``ModelSpec`` to float leaves."""
     moe = model.moe
     f = _as_float(dtype)
     return ModelArrays(
-        n_layers=f(model.n_layers),
-        hidden=f(model.hidden),
-        ffn_hidden=f(model.ffn_hidden),
-        heads=f(model.heads),
-        kv_heads=f(model.kv_heads),
-        seq_len=f(model.seq_len),
+        **_copied(model, ("n_layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len"), f),
         vocab=f(model.vocab),
         swiglu=f(1.0 if model.mlp == "swiglu" else 0.0),
         tied=f(1.0 if model.tied_embeddings else 0.0),
@@ -133,7 +130,7 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
         capacity_factor=f(moe.capacity_factor if moe else 1.0),
         flash=f(1.0 if model.flash_attention else 0.0),
         flash2=f(1.0 if model.attention == "flash" else 0.0),
-        precision=f(_one_hot(PRECISIONS.index(model.precision), len(PRECISIONS))),
+        precision=_choice(specs.PRECISIONS, model.precision, f),
     )
 
 
@@ -141,7 +138,7 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
     """Convert a ``ClusterSpec`` (config units) to SI units."""
     gpu = cluster.gpu
     f = _as_float(dtype)
-    peak = [gpu.peak_tflops.get(p, 0.0) * 1e12 for p in PRECISIONS]
+    peak = [gpu.peak_tflops.get(p, 0.0) * 1e12 for p in specs.PRECISIONS]
     nic_per_gpu = cluster.nics_per_node * cluster.nic_Gbps * 1e9 / 8 / cluster.gpus_per_node
     return ClusterArrays(
         peak_flops=f(peak),
@@ -160,23 +157,17 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
 def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
     """Convert a discrete ``PlanSpec`` to a one-hot ``PlanArrays``."""
     f = _as_float(dtype)
-    order = np.array([plan.order.index(d) for d in PLACED_DIMS], dtype=float)
+    order = np.array([plan.order.index(d) for d in specs.PLACED_DIMS], dtype=float)
     return PlanArrays(
-        tp=f(plan.tp),
-        pp=f(plan.pp),
-        dp=f(plan.dp),
-        cp=f(plan.cp),
-        ep=f(plan.ep),
-        microbatch=f(plan.microbatch),
-        global_batch=f(plan.global_batch),
+        **_copied(plan, (*specs.PLACED_DIMS, "ep", "microbatch", "global_batch"), f),
         chunks=f(plan.chunks if plan.schedule == "interleaved" else 1),
         sp=f(1.0 if (plan.sequence_parallel and plan.tp > 1) else 0.0),
         overlap_dp=f(1.0 if plan.overlap_dp else 0.0),
         overlap_tp=f(1.0 if plan.overlap_tp else 0.0),
         grad_reduce_fp32=f(1.0 if plan.grad_reduce_fp32 else 0.0),
-        zero=f(_one_hot(ZERO_STAGES.index(plan.zero), len(ZERO_STAGES))),
-        recompute=f(_one_hot(RECOMPUTE_MODES.index(plan.recompute), len(RECOMPUTE_MODES))),
-        schedule=f(_one_hot(SCHEDULES.index(plan.schedule), len(SCHEDULES))),
+        zero=_choice(specs.ZERO_STAGES, plan.zero, f),
+        recompute=_choice(specs.RECOMPUTE_MODES, plan.recompute, f),
+        schedule=_choice(specs.SCHEDULES, plan.schedule, f),
         order=f(order),
     )
 

@@ -311,31 +311,26 @@ def _load_tree(kind: str, path: Path, chain: tuple[Path, ...] = ()) -> dict[str,
         _normalize_sections(tree, path.parent)
     if not chain and kind in ("models", "clusters") and "name" not in tree:
         tree["name"] = path.stem  # the file loaded names the spec, not its bases
-    base = tree.pop("base", None)
-    if base is None:
-        return tree
-    if not isinstance(base, str):
-        raise ConfigError(f"{where}: base={base!r} must be a preset name or a file path")
-    try:
-        base_path = _locate(kind, base, relative_to=path.parent)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: base: {err}") from None
-    return _deep_merge(_load_tree(kind, base_path, (*chain, path)), tree)
+    return _merge_base(kind, tree, where, path.parent, (*chain, path))
 
 
 def _resolve_base(kind: str, tree: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Resolve a ``base`` key inside an inline mapping (e.g. an experiment's ``model:``)."""
-    tree = dict(tree)
+    return _merge_base(kind, dict(tree), where, None, ())
+
+
+def _merge_base(kind, tree: dict, where: str, relative_to: Path | None, chain) -> dict[str, Any]:
+    """``tree`` (its ``base`` key removed) merged over the tree its ``base`` names, if any."""
     base = tree.pop("base", None)
     if base is None:
         return tree
     if not isinstance(base, str):
         raise ConfigError(f"{where}: base={base!r} must be a preset name or a file path")
     try:
-        base_path = _locate(kind, base)
+        base_path = _locate(kind, base, relative_to=relative_to)
     except ConfigError as err:
         raise ConfigError(f"{where}: base: {err}") from None
-    return _deep_merge(_load_tree(kind, base_path), tree)
+    return _deep_merge(_load_tree(kind, base_path, chain), tree)
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:

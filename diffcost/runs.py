@@ -207,7 +207,8 @@ def _recompute(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
 
 def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str]) -> PlanSpec:
     fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
-    tp, pp, cp, ep = (_int(row, k) or 1 for k in ("tp", "pp", "cp", "ep"))
+    degrees = {k: _int(row, k) or 1 for k in ("tp", "pp", "cp", "ep")}
+    tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
     n_gpus = _int(row, "n_gpus")
     dp = _int(row, "dp") or (n_gpus // (tp * pp * cp) if n_gpus else None)
     mb, gb = _int(row, "microbatch"), _int(row, "global_batch")
@@ -233,11 +234,8 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
     if model.n_layers % (pp * chunks):
         used.append(f"layers per stage={model.n_layers / (pp * chunks):.3g} (uneven split)")
     return PlanSpec(
-        tp=tp,
-        pp=pp,
+        **degrees,
         dp=dp,
-        cp=cp,
-        ep=ep,
         sequence_parallel=sp,
         zero=zero,
         recompute=recompute,
