@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from calibration.records import Measurements
-from diffcost import comm, kernels
+from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
 from diffcost.config import load_cluster
@@ -395,14 +395,8 @@ def make_step(problem: Problem, cfg: FitConfig, start: dict[str, Params] | None 
     ``diffcost.cache.FAST_CPU_COMPILE`` on the CPU (the vmapped simulator's gradient compiles
     in about half the time, and runs no slower)."""
     loss_fn = make_loss(problem, cfg, with_logs=True, start=start)
-    opt = optax.adam(optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps, alpha=0.05))
-
-    def step(tables, state, data, redescend):
-        (loss, logs), grads = jax.value_and_grad(loss_fn, has_aux=True)(tables, data, redescend)
-        updates, state = opt.update(grads, state, tables)
-        return optax.apply_updates(tables, updates), state, loss, logs
-
-    jitted = fast_compile_jit(step)
+    opt = descent.adam(cfg.learning_rate, cfg.steps)
+    jitted = fast_compile_jit(descent.make_step(loss_fn, opt, has_aux=True))
 
     def call(tables, state, data, redescend=1.0):
         return jitted(tables, state, data, np.float32(redescend))

@@ -23,9 +23,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from diffcost import smooth
+from diffcost import descent, smooth
 from diffcost.partition import (
     Partition,
     PartitionProblem,
@@ -150,26 +149,14 @@ def relaxed_search(
     shares = settings.init_scale * jax.random.normal(k_share, (starts, p), dtype)
     shares = shares.at[0].set(0.0)
     recs = jax.random.normal(k_rec, (starts, p), dtype) + settings.recompute_init
-    schedule = optax.cosine_decay_schedule(settings.learning_rate, steps, alpha=0.05)
-    optimizer = optax.adam(schedule, b2=settings.b2)
-    ratio = settings.penalty_end / settings.penalty_start
+    optimizer = descent.adam(settings.learning_rate, steps, b2=settings.b2)
+    weights = descent.geometric(settings.penalty_start, settings.penalty_end, steps, dtype)
 
     def loss(x, weight):
         return relaxed_objective(problem, x[0], x[1], weight, settings)
 
     def run(x0):
-        def step(carry, t):
-            x, state = carry
-            weight = settings.penalty_start * ratio ** (t / max(steps - 1, 1))
-            grads = jax.grad(loss)(x, weight)
-            # optax mixes its integer step count with floats: standard promotion for it only
-            with jax.numpy_dtype_promotion("standard"):
-                updates, state = optimizer.update(grads, state, x)
-            return (optax.apply_updates(x, updates), state), None
-
-        with jax.numpy_dtype_promotion("standard"):
-            state0 = optimizer.init(x0)
-        (x, _), _ = jax.lax.scan(step, (x0, state0), jnp.arange(steps, dtype=dtype))
+        x, _ = descent.descend(loss, x0, optimizer, (weights,))
         return x, loss(x, settings.penalty_end)
 
     x, objective = jax.vmap(run)((shares, recs))

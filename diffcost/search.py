@@ -37,10 +37,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import struct
 
-from diffcost import constraints, smooth
+from diffcost import constraints, descent, smooth
 from diffcost.arrays import PlanArrays, cluster_arrays, model_arrays
 from diffcost.cache import fast_compile_jit
 from diffcost.config import check_plan
@@ -254,26 +253,15 @@ def _descend(starts, model, cluster, params, bounds, steps, lr, taus, weights):
     program (its size does not grow with ``steps`` or the number of starts).
     """
     w_mem, w_bound, w_div = weights
-    schedule = optax.cosine_decay_schedule(lr, steps, alpha=0.05)
-    opt = optax.adam(schedule)
-    tau0, tau1 = taus
-    ramp = jnp.linspace(0.0, 1.0, steps)
-    tau_k = tau0 * (tau1 / tau0) ** ramp
-    wdiv_k = w_div * jnp.clip(2.0 * ramp - 1.0, 0.0, 1.0)
+    tau_k = descent.geometric(*taus, steps)
+    wdiv_k = w_div * jnp.clip(2.0 * descent.ramp(steps) - 1.0, 0.0, 1.0)
+
+    def loss(r, tau, wd):
+        return objective(r, model, cluster, params, bounds, tau, wd, (w_mem, w_bound))
 
     def one(r0):
-        def loss(r, tau, wd):
-            return objective(r, model, cluster, params, bounds, tau, wd, (w_mem, w_bound))
-
-        def step(carry, xs):
-            r, state = carry
-            tau, wd = xs
-            value, g = jax.value_and_grad(loss)(r, tau, wd)
-            g = jax.tree_util.tree_map(lambda x: jnp.where(jnp.isfinite(x), x, 0.0), g)
-            updates, state = opt.update(g, state, r)
-            return (optax.apply_updates(r, updates), state), value
-
-        (r, _), values = jax.lax.scan(step, (r0, opt.init(r0)), (tau_k, wdiv_k))
+        opt = descent.adam(lr, steps)
+        r, values = descent.descend(loss, r0, opt, (tau_k, wdiv_k), finite_only=True)
         return r, values[-1]
 
     return jax.vmap(one)(starts)
