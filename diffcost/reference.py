@@ -34,7 +34,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from diffcost import schedules
+
+SCHEDULES = tuple(schedules.REGISTRY)
 _EPS = 1e-12  # a transfer is complete when less than this fraction of its work remains
 
 
@@ -60,44 +62,11 @@ def schedule_name(st) -> str:
 
 
 def stage_order(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
-    """Compute-stream order of stage ``s``: a list of ``(F|B, microbatch, chunk)``."""
-    if schedule == "gpipe":  # all forwards, then all backwards
-        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    if schedule == "1f1b":
-        # PipeDream-flush: warm up with the forwards the stages below still need, then one
-        # forward / one backward, then drain the backwards still owed.
-        w = min(p - s - 1, m)
-        order = [("F", i, 0) for i in range(w)]
-        for k in range(m - w):
-            order += [("F", w + k, 0), ("B", k, 0)]
-        return order + [("B", i, 0) for i in range(m - w, m)]
-    if schedule == "interleaved":
-        # Megatron-LM's forward_backward_pipelining_with_interleaving: "virtual microbatches"
-        # k = 0 .. m v - 1 go through the chunks in groups of p microbatches; backwards visit
-        # the chunks in reverse. Stage s warms up with 2 (p - s - 1) + (v - 1) p forwards (all
-        # of them when m == p), then alternates forward k + warmup / backward k, then drains.
-        if m % p:
-            raise ValueError(f"interleaved needs microbatches ({m}) divisible by stages ({p})")
-        total = m * v
-
-        def unit(k, forward):
-            chunk = (k // p) % v
-            return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
-
-        def fwd(k):
-            c, i = unit(k, True)
-            return ("F", i, c)
-
-        def bwd(k):
-            c, i = unit(k, False)
-            return ("B", i, c)
-
-        warm = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
-        order = [fwd(k) for k in range(warm)]
-        for k in range(total - warm):
-            order += [fwd(k + warm), bwd(k)]
-        return order + [bwd(k) for k in range(total - warm, total)]
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    """Compute-stream order of stage ``s``: a list of ``(F|B, microbatch, chunk)``, as the
+    schedule's entry in ``diffcost.schedules`` gives it."""
+    if schedule not in schedules.REGISTRY:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    return schedules.REGISTRY[schedule].order_fn(s, p, m, v)
 
 
 # relative resolution of the event clock: remainders below it cannot advance ``now``
@@ -184,7 +153,7 @@ def _bucket_emitters(orders, schedule, dp_buckets, overlap, n_buckets, v) -> lis
     """Per stage, {position in the order: buckets} of the backwards whose gradients are synced:
     the stage's final task, or (per_chunk, interleaved with overlap) each chunk's last one."""
     emit = [{len(order) - 1: n_buckets} for order in orders]
-    if schedule == "interleaved" and dp_buckets == "per_chunk" and overlap:
+    if schedules.REGISTRY[schedule].interleaved and dp_buckets == "per_chunk" and overlap:
         for s, order in enumerate(orders):
             last = {c: pos for pos, (kd, _, c) in enumerate(order) if kd == "B"}
             emit[s] = {last[c]: n_buckets // v + (c < n_buckets % v) for c in range(v)}
@@ -195,6 +164,8 @@ class _Run:
     """The state of one unrolled iteration: compute and DP streams per stage, links, events."""
 
     def __init__(self, st, schedule: str, record: bool, dp_buckets: str):
+        if schedule not in schedules.REGISTRY:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
         f = lambda x: np.asarray(x, dtype=float)  # noqa: E731
         self.fwd, self.bwd = f(st.fwd_s), f(st.bwd_s)
         self.bucket, self.layer_bwd, self.after = (
@@ -208,7 +179,9 @@ class _Run:
         n_buckets = int(round(float(f(st.dp_layers))))
         self.overlap = float(f(st.overlap_dp)) >= 0.5
         self.schedule = schedule
-        v = self.v = int(round(float(f(st.chunks)))) if schedule == "interleaved" else 1
+        v = self.v = (
+            int(round(float(f(st.chunks)))) if schedules.REGISTRY[schedule].interleaved else 1
+        )
         if p < 1 or m < 1 or v < 1:
             raise ValueError(f"need stages, microbatches and chunks >= 1, got {p}, {m}, {v}")
         if dp_buckets not in ("final_task", "per_chunk"):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffcost import constraints, smooth, workload
+from diffcost import constraints, schedules, smooth, workload
 from diffcost.arrays import ClusterArrays, ModelArrays, PlanArrays
 from diffcost.params import Params
 from diffcost.stages import WEIGHT_BYTES, StageTimes, grad_bytes, multi_stage, stage_times
@@ -141,7 +141,7 @@ def dp_tail(st: StageTimes, temperature):
     (``B = bwd / v``); without overlap every bucket waits for the end. Then ``dp_after_s``.
     """
     tau = temperature
-    per_chunk = st.schedule[2] * st.overlap_dp * multi_stage(st.n_stages)
+    per_chunk = schedules.interleaved_weight(st.schedule) * st.overlap_dp * multi_stage(st.n_stages)
     v_eff = 1.0 + per_chunk * (st.chunks - 1.0)
     lq, last_b = st.dp_layers / v_eff, st.bwd_s / v_eff
     c, b = st.dp_bucket_s, st.layer_bwd_s
@@ -154,83 +154,68 @@ def dp_tail(st: StageTimes, temperature):
 def pipeline_time(st: StageTimes, temperature):
     """Pipeline makespan (with the DP tail), the bottleneck's soft weights, and send costs.
 
-    Closed forms (exact against ``diffcost.reference`` at temperature 0 where stated in
-    ``tests/test_reference.py``), with ``W = F + B`` per stage kind (first, middle, last):
-
-    * GPipe: ``sum W + (m - 1) (max F + max B) + 2 (p - 1) s``;
-    * 1F1B (``m >= p``): the slowest of three critical paths (bottleneck last, first, or in the
-      middle, idling while round trips cross the stages after it), plus
-      ``(m - 1) max(0, (sum W + 2 (p - 1) s) / p - max W)`` for the round trip through the
-      pipeline when warmup leaves no slack, plus ``2 (p - 1) s``;
-    * interleaved (``v`` chunks): ``m max W + (sum W - max W) / v + 2 (p v - 1) s``;
-    * the drain's backward sends share the NIC with DP buckets still queued on the sender:
-      ``min(s, queued)`` per hop.
+    Each schedule's closed form and critical-path sends come from its entry in
+    ``diffcost.schedules`` (exact against ``diffcost.reference`` at temperature 0 where stated
+    in ``tests/test_reference.py``), mixed by the plan's schedule weights; ``W = F + B`` per
+    stage kind (first, middle, last). The drain's backward sends share the NIC with DP buckets
+    still queued on the sender: ``min(s, queued)`` per hop.
 
     Returns:
         (pipeline + exposed DP time, weights [3] of the bottleneck kind, send time, DP time)
     """
     tau = temperature
-    p, m, v = st.n_stages, st.n_microbatches, st.chunks
+    pipe, work = _pipeline(st, tau)
+    if tau == 0:
+        weights = jax.nn.one_hot(jnp.argmax(work), 3, dtype=work.dtype)
+    else:
+        weights = jax.nn.softmax((work - pipe.w_max_s) / (tau * jnp.mean(work)))
+    registry = schedules.REGISTRY.values()
+    makespan = schedules.mix(st.schedule, [s.makespan_fn(pipe, tau) for s in registry])
+    sends = schedules.mix(st.schedule, [s.sends_fn(pipe) for s in registry])
+    tail, after = dp_tail(st, tau)
+    # drain hops: the last microbatch's backward leaves stages p-1 .. 1 while their DP sync runs
+    p, s, multi = pipe.p, pipe.send_s, pipe.multi
+    delay = lambda queued: smooth.smin2(s, queued, tau)  # noqa: E731
+    nic = multi * ((p - 2.0) * delay(tail[1] + after[1]) + delay(tail[2] + after[2]))
+    chunks_left = schedules.interleaved_weight(st.schedule) * st.overlap_dp * (pipe.v - 1.0)
+    nic = nic + multi * chunks_left * (delay(tail[0]) + (p - 2.0) * delay(tail[1]) + delay(tail[2]))
+    sends = sends + nic
+    dp = tail[0] + after[0]
+    return makespan + sends + dp, weights, sends, dp
+
+
+def _pipeline(st: StageTimes, tau) -> tuple[schedules.Pipeline, jax.Array]:
+    """The pipeline's per-kind work as ``schedules.Pipeline``, and the work of existing kinds."""
+    p = st.n_stages
     multi = multi_stage(p)
     exists = _stage_kinds(p)
     fwd, bwd = st.fwd_s * exists, st.bwd_s * exists
     work = fwd + bwd
-    w_max = smooth.smooth_max(work, temperature=tau)
-    if tau == 0:
-        weights = jax.nn.one_hot(jnp.argmax(work), 3, dtype=work.dtype)
-    else:
-        weights = jax.nn.softmax((work - w_max) / (tau * jnp.mean(work)))
-    w0, w1, w2 = st.fwd_s + st.bwd_s
-    sum_w = w0 + multi * (w2 + (p - 2.0) * w1)
-    s = st.p2p_s
-    sends_flat = 2.0 * (p - 1.0) * s
-
-    gpipe = sum_w + (m - 1.0) * (
-        smooth.smooth_max(fwd, temperature=tau) + smooth.smooth_max(bwd, temperature=tau)
+    w = st.fwd_s + st.bwd_s
+    pipe = schedules.Pipeline(
+        p=p,
+        m=st.n_microbatches,
+        v=st.chunks,
+        multi=multi,
+        middle=exists[1],
+        fwd_s=fwd,
+        bwd_s=bwd,
+        w_s=w,
+        sum_w_s=w[0] + multi * (w[2] + (p - 2.0) * w[1]),
+        w_max_s=smooth.smooth_max(work, temperature=tau),
+        send_s=st.p2p_s,
     )
-    simple = sum_w + (m - 1.0) * w_max
-    paths = jnp.stack(
-        [
-            sum_w + (m - 1.0) * w2,
-            m * w0 + smooth.smooth_relu(2.0 * (w2 + (p - 2.0) * w1) - (p - 1.0) * w0, w0, tau),
-            exists[1] * (w0 + 2.0 * w2 + (m + p - 4.0) * w1),
-        ]
-    )
-    steady = multi * smooth.clip_exact(m - p + 1.0, 0.0, 1.0)  # 1F1B with m >= p >= 2
-    one_f_one_b = steady * smooth.smooth_max(paths, temperature=tau) + (1.0 - steady) * simple
-    round_trip = (sum_w + sends_flat) / p
-    round_trip_wait = multi * smooth.smooth_relu(round_trip - w_max, w_max, tau)  # none if p = 1
-    one_f_one_b = one_f_one_b + (m - 1.0) * round_trip_wait
-    sends_interleaved = 2.0 * (p * v - 1.0) * s * multi
-    interleaved = m * w_max + (sum_w - w_max) / v
-
-    tail, after = dp_tail(st, tau)
-    # drain hops: the last microbatch's backward leaves stages p-1 .. 1 while their DP sync runs
-    delay = lambda queued: smooth.smin2(s, queued, tau)  # noqa: E731
-    nic = multi * ((p - 2.0) * delay(tail[1] + after[1]) + delay(tail[2] + after[2]))
-    chunks_left = st.schedule[2] * st.overlap_dp * (v - 1.0)
-    nic = nic + multi * chunks_left * (delay(tail[0]) + (p - 2.0) * delay(tail[1]) + delay(tail[2]))
-
-    sched = st.schedule
-    pipe = sched[0] * gpipe + sched[1] * one_f_one_b + sched[2] * interleaved
-    sends = (sched[0] + sched[1]) * sends_flat + sched[2] * sends_interleaved + nic
-    dp = tail[0] + after[0]
-    return pipe + sends + dp, weights, sends, dp
+    return pipe, work
 
 
 def _in_flight(plan: PlanArrays, temperature):
-    """Microbatches whose activations the first and the last stage hold at once: [2].
-
-    GPipe holds all ``m``; 1F1B ``min(p, m)`` on the first stage and one on the last;
-    interleaving ``min(p (1 + (p - 1) / (p v)), m)`` and ``min(1 + (p - 1) / v, m)``.
-    """
+    """Microbatches whose activations the first and the last stage hold at once: [2], mixed
+    over the schedules' ``in_flight_fn`` by the plan's schedule weights."""
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
-    capped = smooth.smin2(
-        jnp.stack([p, p * (1.0 + (p - 1.0) / (p * v)), 1.0 + (p - 1.0) / v]), m, temperature
-    )
-    first = jnp.stack([m, capped[0], capped[1]])
-    last = jnp.stack([m, jnp.ones_like(m), capped[2]])
-    return jnp.stack([jnp.sum(plan.schedule * first), jnp.sum(plan.schedule * last)])
+    held = [s.in_flight_fn(p, m, v, temperature) for s in schedules.REGISTRY.values()]
+    first = schedules.mix(plan.schedule, [h[0] for h in held])
+    last = schedules.mix(plan.schedule, [h[1] for h in held])
+    return jnp.stack([first, last])
 
 
 def memory(model, plan, cluster, temperature, work=None):
