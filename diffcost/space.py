@@ -134,22 +134,42 @@ class Space:
         """The structural splits (tp, cp, dp, pp) with at least one valid microbatch size."""
         return [t for t in self.structural_splits() if self.microbatch_choices(t[2])]
 
+    @functools.cached_property
+    def _menus(self) -> dict:
+        """Menus already worked out, by (method, arguments): a search asks for the same few
+        thousands of times while it rounds relaxed plans."""
+        return {}
+
+    def _menu(self, key: tuple, build) -> list:
+        if key not in self._menus:
+            self._menus[key] = tuple(build())
+        return list(self._menus[key])
+
     def microbatch_choices(self, dp: int) -> list[int]:
         """The menu's microbatch sizes that the rules allow with ``dp`` data-parallel ranks."""
-        q = {**self._request, "dp": dp}
-        menu = self.microbatches
-        return [mb for mb in menu if constraints.holds({**q, "microbatch": mb}, ["microbatch"])]
+        return self._menu(("microbatch", dp), lambda: self._microbatch_choices(dp))
 
     def ep_choices(self, dp: int) -> list[int]:
         """The expert-parallel degrees the rules allow with ``dp`` data-parallel ranks."""
-        q = {**self._request, "dp": dp}
-        return [e for e in divisors(dp) if constraints.holds({**q, "ep": e}, ["ep"])]
+        return self._menu(("ep", dp), lambda: self._ep_choices(dp))
 
     def schedules(self, pp: int, n_micro: int) -> list[tuple[str, int]]:
         """(schedule, chunks) pairs valid for ``pp`` stages and ``n_micro`` microbatches.
 
         GPipe is left out for one stage, where it is the same schedule as 1F1B.
         """
+        return self._menu(("schedule", pp, n_micro), lambda: self._schedules(pp, n_micro))
+
+    def _microbatch_choices(self, dp: int) -> list[int]:
+        q = {**self._request, "dp": dp}
+        menu = self.microbatches
+        return [mb for mb in menu if constraints.holds({**q, "microbatch": mb}, ["microbatch"])]
+
+    def _ep_choices(self, dp: int) -> list[int]:
+        q = {**self._request, "dp": dp}
+        return [e for e in divisors(dp) if constraints.holds({**q, "ep": e}, ["ep"])]
+
+    def _schedules(self, pp: int, n_micro: int) -> list[tuple[str, int]]:
         q = {**self._request, "pp": pp, "n_microbatches": n_micro}
         options = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)]
         options += [("interleaved", v) for v in self.chunks]
