@@ -76,8 +76,7 @@ from jax.flatten_util import ravel_pytree  # noqa: E402
 from calibration import fit as F  # noqa: E402
 from calibration.cv import grouped_folds, shape_key  # noqa: E402
 from calibration.readers import Measurements, load  # noqa: E402
-from diffcost.config import load_cluster  # noqa: E402
-from diffcost.gpus import FAMILY_CLUSTER, gpu_family  # noqa: E402
+from diffcost.gpus import FAMILY_CLUSTER, gpu_family, preset_family  # noqa: E402
 from diffcost.params import GEMM_GRID_CLASSES, default_params  # noqa: E402
 from diffcost.specs import PRECISIONS  # noqa: E402
 from diffcost.validate import kendall_tau  # noqa: E402
@@ -131,14 +130,6 @@ def _compile_total(t0, t1) -> float:
 
 # --------------------------------------------------------------------------------------------
 # data and problems
-
-_FAMILY: dict[str, str] = {}
-
-
-def cluster_family(name: str) -> str:
-    if name not in _FAMILY:
-        _FAMILY[name] = gpu_family(load_cluster(name).gpu.name)
-    return _FAMILY[name]
 
 
 def load_data(data_dir: Path) -> Measurements:
@@ -195,7 +186,7 @@ def tables_from_result(res: F.FitResult, problem: F.Problem):
     p0 = default_params()
     dev = {leaf: [] for leaf in F.DEVICE_LEAVES}
     for fam in problem.families:
-        rep = next((c for c in problem.clusters if cluster_family(c) == fam), None)
+        rep = next((c for c in problem.clusters if preset_family(c) == fam), None)
         src = res.params_by_cluster[rep] if rep is not None else p0
         for leaf in F.DEVICE_LEAVES:
             dev[leaf].append(jnp.asarray(getattr(src, leaf)))
@@ -624,7 +615,7 @@ def measure(args) -> dict:
     src = np.array([r.source_name for r in e2e])
     e2e_cluster = np.array([r.cluster.name for r in e2e])
     e2e_family = np.array([gpu_family(r.cluster.gpu.name) for r in e2e])
-    coll_fam = np.array([cluster_family(r.cluster) for r in meas.collectives])
+    coll_fam = np.array([preset_family(r.cluster) for r in meas.collectives])
     coll_kind = np.array([r.collective for r in meas.collectives])
     coll_cluster = np.array([r.cluster for r in meas.collectives])
     coll_size = np.array([r.size_bytes for r in meas.collectives], float)
@@ -687,7 +678,7 @@ def measure(args) -> dict:
     # ---- 2. cross-source: vTrain e2e + A100 all-reduce -> MosaicML A100 ------------------
     d_fam = np.array([P_a.families[i] for i in np.asarray(P_a.data["coll"]["d"])])
     w_cs = {"e2e": np.ones(P_a.counts["e2e"]), "coll": (d_fam == "a100").astype(float)}
-    meas_cs = subset(meas_a, coll=[cluster_family(r.cluster) == "a100" for r in meas_a.collectives])
+    meas_cs = subset(meas_a, coll=[preset_family(r.cluster) == "a100" for r in meas_a.collectives])
     res_cs, tab_cs, wall_cs = run_fit(P_a, meas_cs, w_cs, cfg)
     fams_cs, clus_cs = trained_keys(P_a, w_cs)
 

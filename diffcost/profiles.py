@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from diffcost import config
-from diffcost.gpus import gpu_family
+from diffcost.gpus import gpu_family, preset_family
 from diffcost.params import (
     CONSTANTS,
     GEMM_GRID,
@@ -217,10 +217,7 @@ def profile_family(doc: dict) -> str | None:
         return None
     if doc.get("layer") == "device":
         return str(key)
-    try:
-        return gpu_family(config.load_cluster(str(key)).gpu.name)
-    except config.ConfigError:
-        return None
+    return preset_family(str(key))
 
 
 def _explicit(cluster: ClusterSpec, family: str, path: Path, params: Params):
