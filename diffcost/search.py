@@ -259,8 +259,9 @@ def _descend(starts, model, cluster, params, bounds, steps, lr, taus, weights):
     def loss(r, tau, wd):
         return objective(r, model, cluster, params, bounds, tau, wd, (w_mem, w_bound))
 
+    opt = descent.adam(lr, steps)
+
     def one(r0):
-        opt = descent.adam(lr, steps)
         r, values = descent.descend(loss, r0, opt, (tau_k, wdiv_k), finite_only=True)
         return r, values[-1]
 

@@ -1,10 +1,10 @@
 """Validate predictions against measured runs (CSV in the schema of shared/data/README.md).
 
 Blank cells mean "the source did not say". They are filled with the defaults a practitioner
-would assume for that framework (``FRAMEWORK_DEFAULTS`` and ``_fill_defaults``), and every
-filled value is reported per row. Rows that still cannot be represented, and rows without a
-positive measured time, are listed with the reason, never dropped silently or counted in the
-errors.
+would assume for that framework (``diffcost.runs.row_to_specs`` and its
+``FRAMEWORK_DEFAULTS``), and every filled value is reported per row. Rows that still cannot be
+represented, and rows without a positive measured time, are listed with the reason, never
+dropped silently or counted in the errors.
 """
 
 from __future__ import annotations
