@@ -411,23 +411,26 @@ def fit(
     progress: bool = True,
     problem: Problem | None = None,
     start: dict[str, Params] | None = None,
+    init: tuple[dict, dict] | None = None,
 ) -> FitResult:
     """Fit device and cluster constants to ``meas``; returns the fitted values and residuals.
 
     ``start``: cluster name -> the Params its rows start from and its prior is centred on
     (default: the datasheet defaults), so a fit on data about one level refines a calibrated
-    profile instead of resetting what the data do not cover.
+    profile instead of resetting what the data do not cover. ``init``: raw (device, cluster)
+    tables in ``problem``'s order to start the descent from instead (a warm start that leaves
+    the prior where ``start`` puts it).
     """
     # optax's schedules mix integer step counts and floats: standard promotion while fitting
     with jax.numpy_dtype_promotion("standard"):
-        return _fit(meas, cfg, progress, problem, start)
+        return _fit(meas, cfg, progress, problem, start, init)
 
 
-def _fit(meas, cfg, progress, problem, start) -> FitResult:
+def _fit(meas, cfg, progress, problem, start, init) -> FitResult:
     problem = build_problem(meas) if problem is None else problem
     if not problem.data:
         raise ValueError("no usable measurements: nothing maps to a known cluster or GPU family")
-    tables = initial_tables(problem, start=start)
+    tables = initial_tables(problem, start=start) if init is None else init
     step, opt = make_step(problem, cfg, start)
     state = opt.init(tables)
     losses: list[float] = []

@@ -1,0 +1,207 @@
+"""Held-out evaluation of fits: weighted fits on one shared problem, predictions of rows the fit
+did not see, and the error figures the benchmarks report.
+
+Every fit of a study (cross-validation folds, leave-one-source-out, few-shot refits) runs on one
+``Problem`` holding every row, with a per-row ``weight`` (0 for held-out rows; ``fit.make_loss``
+reads it), so the fit's step compiles once. Parameters of families and clusters with no weighted
+row get exactly zero gradient and stay where they started. Held-out rows are predicted by
+:class:`Predictor` on a problem built from them alone, with the trained tables mapped to its
+family and cluster order (``map_tables``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from calibration import fit as F
+from calibration.readers import Measurements, load
+from diffcost.gpus import FAMILY_CLUSTER, preset_family
+from diffcost.params import default_params
+from diffcost.validate import kendall_tau
+
+LEVELS = ("e2e", "coll", "gemm")
+
+
+def load_data(data_dir: Path) -> Measurements:
+    """Every record ``build_problem`` can use, in the order its arrays will have."""
+    meas = load(
+        [
+            data_dir / "e2e" / "calibration.csv",
+            data_dir / "collectives" / "collectives.csv",
+            data_dir / "kernels" / "gemm.csv",
+        ]
+    )
+    colls = [r for r in meas.collectives if r.cluster and r.collective in F.COLLECTIVES]
+    gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in F.FIT_PRECISIONS]
+    return Measurements(e2e=list(meas.e2e), collectives=colls, gemms=gemms, skipped=meas.skipped)
+
+
+def subset(meas: Measurements, e2e=None, coll=None, gemm=None) -> Measurements:
+    """Records selected by boolean masks (None: all)."""
+    pick = lambda xs, m: list(xs) if m is None else [x for x, k in zip(xs, m) if k]  # noqa: E731
+    return Measurements(
+        e2e=pick(meas.e2e, e2e),
+        collectives=pick(meas.collectives, coll),
+        gemms=pick(meas.gemms, gemm),
+    )
+
+
+def weighted(problem: F.Problem, weights: dict, e2e_log_meas=None) -> F.Problem:
+    """``problem`` with a per-row ``weight`` on every level (and optionally new e2e targets);
+    a weight ``build_problem`` already set (e.g. per size octave) is multiplied in."""
+    data = {lvl: dict(d) for lvl, d in problem.data.items()}
+    for lvl in data:
+        w = jnp.asarray(weights[lvl], jnp.float32)
+        base = problem.data[lvl].get("weight")
+        data[lvl]["weight"] = w if base is None else w * jnp.asarray(base, jnp.float32)
+    if e2e_log_meas is not None:
+        data["e2e"]["log_meas"] = jnp.asarray(e2e_log_meas, jnp.float32)
+    return F.Problem(problem.families, problem.clusters, data, dict(problem.counts))
+
+
+def trained_keys(problem: F.Problem, weights: dict) -> tuple[set, set]:
+    """Families and clusters named by at least one row of positive weight."""
+    fams, clus = set(), set()
+    for lvl, d in problem.data.items():
+        keep = np.asarray(weights[lvl]) > 0
+        fams |= {problem.families[i] for i in np.unique(np.asarray(d["d"])[keep])}
+        clus |= {problem.clusters[j] for j in np.unique(np.asarray(d["c"])[keep])}
+    return fams, clus
+
+
+def tables_from_result(res: F.FitResult, problem: F.Problem):
+    """Raw (dev, clu) tables in ``problem``'s order, rebuilt from ``res.params_by_cluster``
+    (each cluster's Params holds its family's device row and its own cluster row)."""
+    p0 = default_params()
+    dev = {leaf: [] for leaf in F.DEVICE_LEAVES}
+    for fam in problem.families:
+        rep = next((c for c in problem.clusters if preset_family(c) == fam), None)
+        src = res.params_by_cluster[rep] if rep is not None else p0
+        for leaf in F.DEVICE_LEAVES:
+            dev[leaf].append(jnp.asarray(getattr(src, leaf)))
+    clu = {
+        leaf: [jnp.asarray(getattr(res.params_by_cluster[c], leaf)) for c in problem.clusters]
+        for leaf in F.CLUSTER_LEAVES
+    }
+    return (
+        {k: jnp.stack(v) for k, v in dev.items()},
+        {k: jnp.stack(v) for k, v in clu.items()},
+    )
+
+
+def population_row(problem: F.Problem, tables, clusters) -> dict:
+    """The mean raw cluster constants of ``clusters`` (each counts once), for a cluster no fit
+    has seen; the cluster's own shape grids stay at factor 1 (they describe one cluster's
+    shapes, not a population's)."""
+    clu_t = tables[1]
+    rows = np.array([problem.clusters.index(c) for c in sorted(clusters)], dtype=int)
+    if rows.size == 0:
+        raise ValueError("a population needs at least one fitted cluster")
+    grids = (F.CLUSTER_LAYER_LEAF, F.HEAD_LEAF)
+    return {
+        leaf: jnp.zeros_like(clu_t[leaf][0]) if leaf in grids else jnp.mean(clu_t[leaf][rows], 0)
+        for leaf in F.CLUSTER_LEAVES
+    }
+
+
+def map_tables(
+    src: F.Problem,
+    tables,
+    fams: set,
+    clus: set,
+    target: F.Problem,
+    n_fam,
+    n_clu,
+    unseen_cluster: dict | None = None,
+):
+    """Trained tables in ``target``'s family/cluster order; rows of families/clusters not in
+    ``fams``/``clus`` (not trained) and padding rows up to ``n_fam``/``n_clu`` are defaults,
+    or for clusters ``unseen_cluster`` (raw leaves, e.g. ``population_row``) when given."""
+    dev_t, clu_t = tables
+    p0 = default_params()
+    fallback = unseen_cluster or {}
+
+    def rows(names, src_names, trained, tab, leaves, n):
+        out = {}
+        for leaf in leaves:
+            d = jnp.asarray(fallback.get(leaf, getattr(p0, leaf)))
+            r = [tab[leaf][src_names.index(x)] if x in trained else d for x in names]
+            r += [d] * (n - len(r))
+            out[leaf] = jnp.stack(r)
+        return out
+
+    return (
+        rows(target.families, src.families, fams, dev_t, F.DEVICE_LEAVES, n_fam),
+        rows(target.clusters, src.clusters, clus, clu_t, F.CLUSTER_LEAVES, n_clu),
+    )
+
+
+class Predictor:
+    """log predicted iteration time of e2e records from mapped tables; one compile: rows are
+    padded to ``chunk`` (repeating the first) and tables to ``n_fam`` x ``n_clu``."""
+
+    def __init__(self, chunk: int, n_fam: int, n_clu: int, temperature: float):
+        self.chunk, self.n_fam, self.n_clu = chunk, n_fam, n_clu
+        self._fn = jax.jit(lambda dev, clu, data: F.predict_log(dev, clu, data, temperature)["e2e"])
+
+    def __call__(
+        self, rows, src: F.Problem, tables, fams: set, clus: set, unseen_cluster=None
+    ) -> np.ndarray:
+        out = []
+        for s in range(0, len(rows), self.chunk):
+            part = list(rows[s : s + self.chunk])
+            n = len(part)
+            part += [part[0]] * (self.chunk - n)
+            target = F.build_problem(Measurements(e2e=part))
+            dev, clu = map_tables(
+                src, tables, fams, clus, target, self.n_fam, self.n_clu, unseen_cluster
+            )
+            out.append(np.asarray(self._fn(dev, clu, target.data))[:n])
+        return np.concatenate(out) if out else np.zeros(0)
+
+
+def run_fit(problem, meas_train, weights, cfg, e2e_log_meas=None, init=None):
+    """``calibration.fit.fit`` on ``problem`` with per-row weights, from ``init`` tables when
+    given (a warm start; the prior stays centred on the defaults); (result, tables, wall s)."""
+    prob = weighted(problem, weights, e2e_log_meas)
+    t0 = time.perf_counter()
+    res = F.fit(meas_train, cfg, progress=False, problem=prob, init=init)
+    wall = time.perf_counter() - t0
+    return res, tables_from_result(res, problem), wall
+
+
+# --------------------------------------------------------------------------------------------
+# metrics
+
+
+def ape_pct(log_pred, log_meas) -> np.ndarray:
+    return np.abs(np.expm1(np.asarray(log_pred, float) - np.asarray(log_meas, float))) * 100
+
+
+def metrics(log_pred, log_meas) -> dict:
+    log_pred, log_meas = np.asarray(log_pred, float), np.asarray(log_meas, float)
+    if log_pred.size == 0:
+        return {"rows": 0, "mape_pct": None, "p90_ape_pct": None, "max_ape_pct": None,
+                "kendall_tau": None}  # fmt: skip
+    a = ape_pct(log_pred, log_meas)
+    return {
+        "rows": int(a.size),
+        "mape_pct": float(a.mean()),
+        "p90_ape_pct": float(np.percentile(a, 90)),
+        "max_ape_pct": float(a.max()),
+        "kendall_tau": kendall_tau(np.exp(log_meas), np.exp(log_pred)),
+    }
+
+
+def by_group(keys, log_pred, log_meas, mask=None) -> dict:
+    keys = np.asarray(keys)
+    mask = np.ones(len(keys), bool) if mask is None else mask
+    return {
+        k: metrics(log_pred[mask & (keys == k)], log_meas[mask & (keys == k)])
+        for k in sorted(set(keys[mask]))
+    }
