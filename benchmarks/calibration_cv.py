@@ -57,10 +57,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from cv_report import clean_json, make_plots, print_tables  # noqa: E402
+from cv_report import clean_json, finish, make_plots, print_tables  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 from calibration import fit as F  # noqa: E402
@@ -78,6 +75,7 @@ from calibration.heldout import (  # noqa: E402
     Predictor,
     ape_pct,
     by_group,
+    fresh_compilation_cache,
     load_data,
     metrics,
     run_fit,
@@ -700,16 +698,8 @@ def main(argv=None) -> int:
     ap.add_argument("--huber-delta", type=float, default=None, help="FitConfig.huber_delta")
     ap.add_argument("--learning-rate", type=float, default=None, help="FitConfig.learning_rate")
     args = ap.parse_args(argv)
-    # A fresh persistent XLA cache for this run (set before anything compiles): every fit after
-    # the first reuses its compiled step, and fit_s is still measured from a cold cache.
-    cache_dir = tempfile.mkdtemp(prefix="calibration-cv-xla-")
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    try:
+    with fresh_compilation_cache("calibration-cv-xla-"):
         cv_rows, result = measure(args)
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
     result = clean_json(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -719,13 +709,7 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(cv_rows)
     result["details"]["rows_csv"] = str(rows_csv)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_tables(result)
-        print(f"wrote {out}")
-    return 0 if all(v["ok"] for v in result["targets"].values()) else 1
+    return finish(result, out, args.json, print_tables)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import math
 from pathlib import Path
 
@@ -27,6 +28,19 @@ def clean_json(x):
     if isinstance(x, np.bool_):
         return bool(x)
     return x
+
+
+def finish(result: dict, out: Path, as_json: bool, print_tables) -> int:
+    """Write ``result`` as JSON to ``out``, print it (JSON or ``print_tables``) and return the
+    exit status: 1 when a target in ``result["targets"]`` is missed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_tables(result)
+        print(f"wrote {out}")
+    return 0 if all(v["ok"] for v in result["targets"].values()) else 1
 
 
 def fmt(x, nd=1) -> str:

@@ -19,7 +19,9 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+import yaml
 from rich.console import Console
 
 from calibration import fit as fit_mod
@@ -29,6 +31,7 @@ from diffcost import profiles as prof
 from diffcost.cli.common import make_table, print_json
 from diffcost.config import load_cluster
 from diffcost.gpus import cluster_family
+from diffcost.params import default_params
 
 
 def select(meas: Measurements, clusters: list[str]) -> Measurements:
@@ -62,6 +65,34 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
                 )
             )
     return written
+
+
+def write_stack(path: Path, offsets: dict, meta: dict) -> Path:
+    """Write a software stack's raw offsets (``diffcost.profiles.stack_offsets`` reads them)."""
+    doc = {**meta, "offsets": {k: round(float(v), 6) for k, v in offsets.items()}}
+    with open(path, "w") as fh:
+        fh.write("# diffcost software stack offsets, raw units: log for positive constants, ")
+        fh.write("logit for fractions\n")
+        yaml.safe_dump(doc, fh, sort_keys=False)
+    return path
+
+
+def population_values(result: fit_mod.FitResult, clusters) -> dict:
+    """The scalar cluster constants averaged (raw, each cluster once) over ``clusters``: what a
+    cluster no measurement names gets (``diffcost.profiles.population_path``). The cluster's own
+    shape grids stay at factor 1: they describe one cluster's shapes."""
+    names = sorted(clusters)
+    if not names:
+        raise ValueError("no cluster with end-to-end runs to average")
+    grids = {fit_mod.CLUSTER_LAYER_LEAF, fit_mod.HEAD_LEAF}
+    leaves = [leaf for leaf in fit_mod.CLUSTER_LEAVES if leaf not in grids]
+    mean = {
+        leaf: jnp.mean(jnp.stack([getattr(result.params_by_cluster[c], leaf) for c in names]), 0)
+        for leaf in leaves
+    }
+    params = default_params().replace(**mean)
+    fields = [f for f in prof.CLUSTER_FIELDS if prof.FIELDS[f][0] in leaves]
+    return prof.to_values(params, fields)
 
 
 def fitted_values(result: fit_mod.FitResult, cluster: str) -> dict:
@@ -314,7 +345,9 @@ def run(args) -> int:
     start, start_notes = {}, {}
     for name in problem.clusters:
         start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
-    cfg = fit_mod.FitConfig(steps=args.steps)
+    # A user's runs are one stack on their own cluster: its constants take the stack's effect
+    # (the profile written has no stack offsets to apply).
+    cfg = fit_mod.FitConfig(steps=args.steps, stacks=False)
     result = fit_mod.fit(meas, cfg, not args.json, problem, start)
     written = _write_profiles(args, paths, result, start_notes)
     summary = _summary(args, meas, result, start, start_notes, written)

@@ -48,6 +48,7 @@ from diffcost.profiles import (
 )
 from diffcost.simulate import simulate
 from diffcost.specs import PRECISIONS
+from diffcost.stacks import STACK_EFFECTS, STACK_NAMES
 from diffcost.workload import LOW_PRECISIONS
 
 FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
@@ -57,6 +58,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # Width of the prior around each datasheet default, in raw units (``Constant.prior_sd``).
 PRIOR_SD = {c.name: c.prior_sd for c in CONSTANTS}
 PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
+# Software stack offsets (``diffcost.stacks``) ride in the cluster table under these keys, one
+# entry per stack of ``STACK_NAMES``; an e2e row of an unknown stack reads offset 0.
+STACK_KEYS = {f"stack/{e.leaf}": e for e in STACK_EFFECTS}
+PRIOR_SD_LEAF.update({key: e.prior_sd for key, e in STACK_KEYS.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,12 @@ class FitConfig:
     # A cluster's own layer and LM head shape grids (on top of its GPU's) are fitted only for
     # clusters with at least this many e2e rows; with fewer they stay at their start.
     cluster_grid_rows: int = 300
+    # Whether the device layer shape grid (one per GPU family, shared by every cluster and
+    # software stack with that GPU) is fitted; when False it stays at factor 1 and only the
+    # clusters' own layer grids describe per-shape offsets.
+    device_layer_grid: bool = True
+    # Whether per-stack offsets (diffcost.stacks) are fitted; when False they stay 0.
+    stacks: bool = True
 
 
 @dataclasses.dataclass
@@ -100,6 +111,8 @@ class FitResult:
     converged: bool
     residuals: dict[str, np.ndarray]  # level -> log(pred / meas) at the end
     initial_residuals: dict[str, np.ndarray]  # the same at the starting constants
+    # stack -> {constant name: raw offset} of the stacks some weighted e2e row runs
+    stack_values: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 def _leaves(fields):
@@ -110,11 +123,18 @@ DEVICE_LEAVES = _leaves(DEVICE_FIELDS)
 CLUSTER_LEAVES = _leaves(CLUSTER_FIELDS)
 
 
-def assemble(dev_tab: dict, clu_tab: dict, d_idx, c_idx) -> Params:
+def assemble(dev_tab: dict, clu_tab: dict, d_idx, c_idx, s_idx=None) -> Params:
     """Per-row Params: device leaves from row ``d_idx`` of ``dev_tab``, cluster leaves from
-    ``c_idx`` of ``clu_tab`` (index arrays give a batched Params)."""
+    ``c_idx`` of ``clu_tab`` (index arrays give a batched Params), plus the offsets of stack
+    ``s_idx`` where given (-1: an unknown stack, no offset)."""
     kw = {leaf: dev_tab[leaf][d_idx] for leaf in DEVICE_LEAVES}
     kw.update({leaf: clu_tab[leaf][c_idx] for leaf in CLUSTER_LEAVES})
+    if s_idx is not None and STACK_KEYS.keys() <= clu_tab.keys():
+        known = s_idx >= 0
+        for key, effect in STACK_KEYS.items():
+            off = jnp.where(known, clu_tab[key][jnp.maximum(s_idx, 0)], 0.0)
+            base = kw[effect.leaf]
+            kw[effect.leaf] = base + off.reshape(off.shape + (1,) * (base.ndim - off.ndim))
     return Params(**kw)
 
 
@@ -194,6 +214,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             "cluster": stack([cluster_arrays(r.cluster, dtype) for r in rows]),
             "d": np.array([idx(families, gpu_family(r.cluster.gpu.name)) for r in rows]),
             "c": np.array([idx(clusters, r.cluster.name) for r in rows]),
+            "s": np.array([STACK_NAMES.index(r.stack) if r.stack else -1 for r in rows]),
             "log_meas": np.log(np.array([r.measured_iter_s for r in rows], dtype=float)),
             # every source weighs the same: 1,440 vTrain rows would otherwise decide alone
             "weight": np.array([1.0 / per_source[r.source_name] for r in rows]),
@@ -254,7 +275,7 @@ def _shared_grid(dev_tab, clu_tab, d):
     its gradient back tripled the step time."""
     table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
     unread = jnp.zeros((table.shape[0], 1))
-    params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"])
+    params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"], d.get("s"))
     return table.reshape((-1,) + table.shape[2:]), params
 
 
@@ -312,7 +333,10 @@ def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None
             for leaf in leaves
         }
 
-    return rows(by_family, DEVICE_LEAVES), rows(by_cluster, CLUSTER_LEAVES)
+    clu = rows(by_cluster, CLUSTER_LEAVES)
+    dtype = clu[CLUSTER_LEAVES[0]].dtype
+    clu.update({key: jnp.zeros(len(STACK_NAMES), dtype) for key in STACK_KEYS})
+    return rows(by_family, DEVICE_LEAVES), clu
 
 
 def _freeze_small_cluster_grids(clu: dict, e2e: dict, min_rows: int) -> dict:
@@ -356,6 +380,10 @@ def make_loss(
         dev, clu = tables
         if "e2e" in data:
             clu = _freeze_small_cluster_grids(clu, data["e2e"], cfg.cluster_grid_rows)
+        if not cfg.device_layer_grid:
+            dev = {**dev, LAYER_LEAF: jax.lax.stop_gradient(dev[LAYER_LEAF])}
+        if not cfg.stacks:
+            clu = {k: jax.lax.stop_gradient(v) if k in STACK_KEYS else v for k, v in clu.items()}
         logs = predict_log(dev, clu, data, cfg.temperature)
         total = 0.0
         for level, lp in logs.items():
@@ -484,7 +512,17 @@ def _fit(meas, cfg, progress, problem, start, init) -> FitResult:
         converged,
         residuals,
         resid(initial_logs if initial_logs is not None else logs),
+        _stack_values(clu, problem),
     )
+
+
+def _stack_values(clu: dict, problem: Problem) -> dict:
+    """{stack: {constant: raw offset}} of the stacks some e2e row of ``problem`` runs."""
+    e2e = problem.data.get("e2e", {})
+    used = sorted({int(s) for s in np.asarray(e2e.get("s", [])) if s >= 0})
+    return {
+        STACK_NAMES[i]: {e.name: float(clu[key][i]) for key, e in STACK_KEYS.items()} for i in used
+    }
 
 
 class _progress:

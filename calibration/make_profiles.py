@@ -4,8 +4,10 @@
 
 One joint fit over every end-to-end run, collective table and GEMM table that maps to a cluster
 preset: device constants per GPU family (shared by every cluster with that GPU), cluster
-constants per cluster. Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files and prints
-the before/after error per level.
+constants per cluster. Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, and
+``population.yaml``: the cluster constants averaged over the clusters with end-to-end runs, which
+a cluster without a profile of its own gets, and ``stack-<name>.yaml``: the offsets of each
+software stack with runs (``diffcost.stacks``). Prints the before/after error per level.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from calibration import command
 from calibration import fit as fit_mod
 from calibration.readers import load
+from diffcost import profiles as prof
 from diffcost.cache import enable_compilation_cache
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
@@ -56,6 +59,17 @@ def main(argv=None) -> int:
         "command": f"python -m calibration.make_profiles --steps {args.steps}",
     }
     paths = command.write_layers(result, problem.clusters, meta)
+    for name, offsets in result.stack_values.items():
+        meta_s = {"layer": "stack", "key": name, **meta}
+        paths.append(command.write_stack(prof.stack_path(name), offsets, meta_s))
+    with_runs = sorted({problem.clusters[int(c)] for c in problem.data["e2e"]["c"]})
+    paths.append(
+        prof.write_profile(
+            prof.population_path(),
+            command.population_values(result, with_runs),
+            {"layer": "population", "key": prof.POPULATION, "mean_of": with_runs, **meta},
+        )
+    )
     for p in paths:
         print(f"wrote {p}")
     return 0

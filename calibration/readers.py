@@ -53,6 +53,7 @@ from calibration.records import (
 )
 from diffcost.gpus import family_peak_flops, gpu_family
 from diffcost.runs import E2E_COLUMNS, E2E_FLOAT_COLUMNS, E2E_INT_COLUMNS, RowSkipped, row_to_specs
+from diffcost.stacks import stack_of
 
 __all__ = [
     "COLLECTIVES",
@@ -109,7 +110,15 @@ def read_e2e_csv(path) -> Measurements:
             out.skipped.append((where, str(e)))
             continue
         record = E2ERecord(
-            model, plan, cluster, measured, row["source"], row_no, tuple(used), where
+            model,
+            plan,
+            cluster,
+            measured,
+            row["source"],
+            row_no,
+            tuple(used),
+            where,
+            stack_of(row.get("framework")),
         )
         out.e2e.append(record)
     return out

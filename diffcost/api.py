@@ -50,7 +50,7 @@ def params_for(exp: Experiment, profile=None) -> tuple[Params, str]:
     ``profile``: None for the cluster's default calibrated profile (device and cluster layers
     shipped with the package), ``"none"`` for datasheet defaults, or a profile file.
     """
-    return profiles.params_for(exp.cluster, profile)
+    return profiles.params_for(exp.cluster, profile, stack=exp.stack)
 
 
 def predict(

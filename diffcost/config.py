@@ -47,6 +47,7 @@ from diffcost.specs import (
     ModelSpec,
     PlanSpec,
 )
+from diffcost.stacks import STACK_NAMES
 
 __all__ = [
     "ConfigError",
@@ -476,8 +477,9 @@ def load_experiment(
     """Load and validate an experiment: a model, a cluster and a plan.
 
     The file has keys ``model``, ``cluster`` and ``plan`` (each a preset name or an inline
-    mapping, which may hold ``base:``) and optionally ``description`` and ``gpus`` (the number of
-    GPUs, which must equal dp*tp*pp*cp).
+    mapping, which may hold ``base:``) and optionally ``description``, ``gpus`` (the number of
+    GPUs, which must equal dp*tp*pp*cp) and ``stack`` (the training software, a
+    ``diffcost.stacks`` name, whose calibrated offsets the prediction then uses).
 
     Args:
         path: path to the experiment file, or the name of one in ``configs/examples``.
@@ -518,7 +520,10 @@ def load_experiment(
     gpus = tree.get("gpus")
     if gpus is not None:
         gpus = check_int(gpus, where, "gpus")
-    experiment = Experiment(source=where, **specs)
+    stack = tree.get("stack")
+    if stack is not None and stack not in STACK_NAMES:
+        raise invalid(where, "stack", stack, f"one of {', '.join(STACK_NAMES)}")
+    experiment = Experiment(source=where, stack=stack, **specs)
     validate_experiment(experiment, n_gpus=gpus, strict=strict)
     return experiment
 

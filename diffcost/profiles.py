@@ -39,6 +39,7 @@ from diffcost.params import (
     default_params,
 )
 from diffcost.specs import PRECISIONS, ClusterSpec
+from diffcost.stacks import EFFECT_BY_NAME, apply_stack
 
 PROFILES_DIR = config.PACKAGE_CONFIGS / "profiles"
 
@@ -206,6 +207,47 @@ def cluster_path(cluster: str) -> Path:
     return PROFILES_DIR / f"{cluster}.yaml"
 
 
+# The cluster constants of a cluster no measurement names: the mean of the clusters the shipped
+# fit has end-to-end runs of (``calibration.make_profiles``), not the datasheet defaults.
+POPULATION = "population"
+
+
+def population_path() -> Path:
+    return PROFILES_DIR / f"{POPULATION}.yaml"
+
+
+def stack_path(stack: str) -> Path:
+    return PROFILES_DIR / f"stack-{stack}.yaml"
+
+
+def stack_offsets(stack: str | None) -> tuple[dict, str]:
+    """({raw leaf: offset}, note) of a software stack's shipped profile (``stack-<name>.yaml``,
+    ``offsets: {constant: raw offset}``); no offsets for None or a stack without a profile,
+    which is then the population of stacks the fit saw."""
+    if stack is None:
+        return {}, "stack not given: the population of fitted stacks"
+    path = stack_path(stack)
+    if not path.exists():
+        return {}, f"no profile for stack {stack}: the population of fitted stacks"
+    try:
+        with open(path) as fh:
+            doc = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{path}: not valid YAML: {e}") from None
+    offsets = doc.get("offsets") if isinstance(doc, dict) else None
+    if not isinstance(offsets, dict):
+        raise ProfileError(f"{path}: expected a mapping with 'offsets: {{constant: offset}}'")
+    out = {}
+    for name, value in offsets.items():
+        if name not in EFFECT_BY_NAME:
+            valid = ", ".join(EFFECT_BY_NAME)
+            raise ProfileError(f"{path}: offsets.{name}: not a stack constant (one of {valid})")
+        if not isinstance(value, int | float) or not np.isfinite(value):
+            raise ProfileError(f"{path}: offsets.{name}={value!r}: expected a finite number")
+        out[EFFECT_BY_NAME[name].leaf] = float(value)
+    return out, f"stack profile {path.name}"
+
+
 def profile_family(doc: dict) -> str | None:
     """The GPU family a profile's constants were fitted on: its ``gpu_family`` entry, else the
     family of its ``key`` (a family for a device layer, a cluster preset otherwise); None when
@@ -253,13 +295,21 @@ def _explicit(cluster: ClusterSpec, family: str, path: Path, params: Params):
     return params, note
 
 
-def params_for(cluster: ClusterSpec, profile: str | os.PathLike | None = None, dtype=None):
+def params_for(
+    cluster: ClusterSpec,
+    profile: str | os.PathLike | None = None,
+    dtype=None,
+    stack: str | None = None,
+):
     """(Params, note) for ``cluster``.
 
     Args:
-        profile: None for the default layering (device file, then cluster file); ``"none"``
-            for datasheet defaults; or a path to a profile file (applied over the datasheet
-            defaults; one fitted on another GPU family raises ProfileError).
+        profile: None for the default layering (device file, then cluster file, or the
+            population file for a cluster without one, then the offsets of ``stack``);
+            ``"none"`` for datasheet defaults; or a path to a profile file (applied over the
+            datasheet defaults as it is: a profile ``diffcost calibrate`` fitted on a user's
+            runs holds their stack; one fitted on another GPU family raises ProfileError).
+        stack: the run's software stack (``diffcost.stacks``), for the default layering.
 
     Returns:
         The Params and a one-line note saying which layers were used and which constants are
@@ -272,20 +322,27 @@ def params_for(cluster: ClusterSpec, profile: str | os.PathLike | None = None, d
     if profile is not None:
         return _explicit(cluster, family, Path(profile), params)
     used, dev, path = [], device_path(family), cluster_path(cluster.name)
+    if not path.exists() and population_path().exists():
+        path = population_path()
     if dev.exists():
         params = apply_values(params, _read(dev)["constants"], str(dev))
         used.append(f"device profile {dev.name}")
     if path.exists():
         params = apply_values(params, _read(path)["constants"], str(path))
         used.append(f"cluster profile {path.name}")
+    offsets, stack_note = stack_offsets(stack)
+    params = apply_stack(params, offsets)
     if not used:
-        return params, f"no calibrated profile for {cluster.name} ({family}): datasheet defaults"
+        note = f"no calibrated profile for {cluster.name} ({family}): datasheet defaults"
+        return params, note if stack is None else f"{note}; {stack_note}"
     note = " + ".join(used)
     if not dev.exists():
         note += f"; device constants: datasheet defaults (no profile for {family} GPUs)"
+    if path == population_path():
+        note += f" (no profile for {cluster.name}: the mean of the fitted clusters)"
     elif not path.exists():
         note += f"; cluster constants: datasheet defaults (no profile for {cluster.name})"
-    return params, note
+    return params, f"{note}; {stack_note}"
 
 
 def write_profile(path: Path, values: dict, meta: dict) -> Path:

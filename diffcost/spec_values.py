@@ -59,6 +59,7 @@ SCHEMAS["examples"] = {
     "base": None,
     "description": None,
     "gpus": None,
+    "stack": None,
     **{section: SCHEMAS[kind] for section, kind in SECTIONS.items()},
 }
 

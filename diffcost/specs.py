@@ -143,3 +143,4 @@ class Experiment:
     cluster: ClusterSpec
     plan: PlanSpec
     source: str = ""  # file it came from, for messages
+    stack: str | None = None  # diffcost.stacks name of the training software (None: unknown)

@@ -22,6 +22,7 @@ from diffcost.params import Params
 from diffcost.profiles import ProfileMismatch, params_for
 from diffcost.runs import RowSkipped, read_rows, row_to_specs
 from diffcost.simulate import simulate
+from diffcost.stacks import stack_of
 
 
 @dataclasses.dataclass
@@ -72,13 +73,14 @@ def _summary(results: list[RowResult]) -> dict:
     }
 
 
-def _cluster_params(cluster, params: Params | None, profile):
-    """(cluster arrays, Params, note) for a cluster's rows; (None, None, reason) when the
-    profile file given was fitted on another GPU family, whose rows are then skipped."""
+def _cluster_params(cluster, params: Params | None, profile, software: str | None):
+    """(cluster arrays, Params, note) for a cluster's rows of one software stack; (None, None,
+    reason) when the profile file given was fitted on another GPU family, whose rows are then
+    skipped."""
     if params is not None:
         return cluster_arrays(cluster), params, "parameters given by the caller"
     try:
-        cparams, note = params_for(cluster, profile)
+        cparams, note = params_for(cluster, profile, stack=software)
     except ProfileMismatch as e:
         return None, None, f"not predicted: {e.reason}"
     return cluster_arrays(cluster), cparams, note
@@ -90,10 +92,11 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     Returns:
         ``{"summary": {...}, "by_source": {name: {...}}, "rows": [...]}`` with the keys
         documented in the README (``rows``, ``predicted``, ``skipped``, ``mape_pct``,
-        ``max_ape_pct``, ``kendall_tau``), and ``profiles``: cluster -> which calibrated layers
-        were used. ``params`` (one set for every row) overrides ``profile``; ``profile`` is None
-        for each cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a
-        profile file. Rows with a blank or non-positive ``measured_iter_s`` are skipped (their
+        ``max_ape_pct``, ``kendall_tau``), and ``profiles``: cluster (and software stack, from
+        the row's ``framework``: ``diffcost.stacks``) -> which calibrated layers were used.
+        ``params`` (one set for every row) overrides ``profile``; ``profile`` is None for each
+        cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a profile
+        file. Rows with a blank or non-positive ``measured_iter_s`` are skipped (their
         ``skipped`` says why) and count in no error figure, and so are rows on a cluster of
         another GPU family than a given profile file's.
 
@@ -127,9 +130,11 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
             r.skipped = str(e)
             continue
         r.defaults = used
-        if cluster.name not in cluster_cache:
-            cluster_cache[cluster.name] = _cluster_params(cluster, params, profile)
-        carr, cparams, note = cluster_cache[cluster.name]
+        software = stack_of(row.get("framework"))
+        key = cluster.name if software is None else f"{cluster.name} / {software}"
+        if key not in cluster_cache:
+            cluster_cache[key] = _cluster_params(cluster, params, profile, software)
+        carr, cparams, note = cluster_cache[key]
         if carr is None:  # the profile file is another GPU's
             r.skipped = note
             continue

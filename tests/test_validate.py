@@ -167,4 +167,5 @@ def test_a_profile_of_another_gpu_skips_that_gpus_rows(tmp_path):
         assert by_cluster[name]["skipped"].startswith(
             f"not predicted: {fitted} was fitted on vtrain-a100 (a100 GPUs) but {name} has"
         )
-    assert set(out["profiles"]) == {"vtrain-a100"}
+    # keyed by cluster and, where the row names its framework, its software stack
+    assert set(out["profiles"]) == {"vtrain-a100 / megatron-deepspeed"}

@@ -1,0 +1,316 @@
+"""How well the calibrated model predicts setups its fit has never seen: leave one source out,
+leave one cluster out, and few-shot refits.
+
+    python benchmarks/transfer.py [--json] [--quick] [--no-few-shot] [--unseen population|defaults]
+
+This is the benchmark that decides between modelling choices: the runs a user asks about are
+usually from a cluster, a framework or a scale no measurement covers.
+
+1. **Zero-shot groups.** For every source and every cluster of ``e2e/calibration.csv`` with at
+   least ``MIN_ROWS`` runs: fit on every other end-to-end run plus every collective and GEMM
+   row (``calibration.fit.fit``, the shipped profiles' settings), then predict the held-out
+   group without refitting (``calibration.heldout.Predictor``). A held-out cluster that no
+   training run names gets ``--unseen``: the mean constants of the clusters the fit has runs
+   of (``calibration.heldout.population_row``, the default) or the datasheet defaults. Per
+   group: rows, MAPE, bias (mean signed error, %), mean log(pred / meas), worst row, Kendall
+   tau; ``coverage_pct`` and ``median_width_pct`` of the 80% intervals where the model gives
+   intervals (None otherwise). A group equal to another (the cluster of a one-cluster source)
+   reuses that fit.
+2. **Few-shot.** Per source group: k = 3 and k = 10 of its runs (``DRAWS`` random draws each)
+   join the training set (each draw's rows weigh as one source, as every source does), and a
+   short refit (``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``) starts from that source's
+   zero-shot fit — the path a user takes with ``diffcost calibrate``. The source's other runs
+   are predicted; per k the mean and the worst draw's MAPE.
+
+``--quick`` fits 60 steps, leaves out the cluster groups and runs one few-shot draw per k: a
+smoke run, its figures are not the benchmark's. Results go to ``benchmarks/results/
+transfer.json`` (``--out``) and a plot of every held-out group to ``transfer_zero_shot.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+from cv_report import clean_json, finish, fmt, grouped_pred_meas  # noqa: E402
+
+from calibration import fit as F  # noqa: E402
+from calibration.heldout import (  # noqa: E402
+    Predictor,
+    ape_pct,
+    fresh_compilation_cache,
+    load_data,
+    metrics,
+    population_row,
+    run_fit,
+    subset,
+    trained_keys,
+)
+from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+RESULTS = Path(__file__).resolve().parent / "results"
+MIN_ROWS = 8
+FEW_SHOT_K = (3, 10)
+DRAWS = 3
+FEW_SHOT_STEPS = 200
+FEW_SHOT_LR = 0.03  # a warm start near the optimum: Adam's first steps move every constant ~lr
+TARGETS = {"loso_max_mape_pct": 8.0, "loso_max_abs_bias_pct": 4.0, "loso_mean_mape_pct": 6.0,
+           "few_shot_k10_mape_pct": 3.0}  # fmt: skip
+
+
+class Transfer:
+    """The data, the shared problem and predictor, and the fits made so far."""
+
+    def __init__(self, args):
+        self.t0 = time.perf_counter()
+        self.quiet = args.json
+        self.quick = bool(args.quick)
+        self.unseen = args.unseen
+        knobs = {"device_layer_grid": not args.no_device_layer_grid, "stacks": not args.no_stacks}
+        self.cfg = F.FitConfig(steps=60 if args.quick else F.FitConfig().steps, **knobs)
+        self.few_cfg = F.FitConfig(
+            steps=30 if args.quick else FEW_SHOT_STEPS, learning_rate=FEW_SHOT_LR, **knobs
+        )
+        self.meas = load_data(Path(args.data))
+        self.e2e = self.meas.e2e
+        self.src = np.array([r.source_name for r in self.e2e])
+        self.cluster = np.array([r.cluster.name for r in self.e2e])
+        self.P = F.build_problem(self.meas)
+        self.log_meas = np.asarray(self.P.data["e2e"]["log_meas"], float)
+        self.ones = {lvl: np.ones(self.P.counts[lvl]) for lvl in self.P.data}
+        self.per_source = {s: int((self.src == s).sum()) for s in set(self.src)}
+        chunk = max(int((self.src == s).sum()) for s in set(self.src))
+        n_fam, n_clu = len(self.P.families), len(self.P.clusters)
+        self.predictor = Predictor(min(chunk, 512), n_fam, n_clu, self.cfg.temperature)
+        self.zero_shot_fits: dict = {}  # held-out row mask (bytes) -> (result, tables, weights)
+        self.say(f"{len(self.e2e)} e2e, {self.P.counts['coll']} collective, "
+                 f"{self.P.counts.get('gemm', 0)} GEMM rows")  # fmt: skip
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def weights(self, train: np.ndarray) -> dict:
+        """Per-level row weights: e2e rows in ``train``, each training source weighing one in
+        total (``build_problem``'s rule, recomputed over the rows kept), every other row 1."""
+        counts = {s: int((train & (self.src == s)).sum()) for s in set(self.src)}
+        share = np.array([1.0 / max(counts[s], 1) for s in self.src])
+        base = np.asarray(self.P.data["e2e"]["weight"], float)  # 1 / rows of the row's source
+        return {**self.ones, "e2e": np.where(train, share / base, 0.0)}
+
+    def fit(self, train: np.ndarray, cfg=None, init=None):
+        w = self.weights(train)
+        res, tables, wall = run_fit(
+            self.P, subset(self.meas, e2e=train), w, cfg or self.cfg, init=init
+        )
+        return res, tables, w, wall
+
+    def predict(self, idx, tables, w) -> np.ndarray:
+        fams, clus = trained_keys(self.P, w)
+        unseen = None
+        if self.unseen == "population":
+            with_runs = set(self.cluster[w["e2e"] > 0])
+            unseen = population_row(self.P, tables, with_runs)
+        rows = [self.e2e[i] for i in idx]
+        return self.predictor(rows, self.P, tables, fams, clus, unseen)
+
+
+def group_metrics(pred: np.ndarray, meas: np.ndarray) -> dict:
+    """``heldout.metrics`` plus the signed error: ``bias_pct`` (mean of pred / meas - 1, %) and
+    the mean log ratio."""
+    m = metrics(pred, meas)
+    ratio = np.asarray(pred, float) - np.asarray(meas, float)
+    m["bias_pct"] = float(np.mean(np.expm1(ratio)) * 100) if ratio.size else None
+    m["mean_log_ratio"] = float(np.mean(ratio)) if ratio.size else None
+    return m
+
+
+def zero_shot(t: Transfer, kind: str, name: str, held: np.ndarray) -> tuple[dict, np.ndarray]:
+    """Fit without the ``held`` rows and predict them; the group's figures and predictions."""
+    key = held.tobytes()
+    if key not in t.zero_shot_fits:
+        res, tables, w, wall = t.fit(~held)
+        t.zero_shot_fits[key] = (res, tables, w)
+        t.say(f"{kind} {name}: fit without {held.sum()} rows, {res.steps} steps in {wall:.0f} s")
+    res, tables, w = t.zero_shot_fits[key]
+    idx = np.flatnonzero(held)
+    pred = t.predict(idx, tables, w)
+    m = group_metrics(pred, t.log_meas[idx])
+    worst = int(idx[np.argmax(ape_pct(pred, t.log_meas[idx]))])
+    r = t.e2e[worst]
+    m.update(
+        kind=kind,
+        name=name,
+        coverage_pct=None,
+        median_width_pct=None,
+        worst_row={
+            "row": r.row,
+            "model": r.model.name,
+            "cluster": r.cluster.name,
+            "source": r.source_name,
+            "n_gpus": r.plan.n_gpus,
+            "tp": r.plan.tp,
+            "pp": r.plan.pp,
+            "dp": r.plan.dp,
+        },  # fmt: skip
+    )
+    t.say(f"{kind} {name}: MAPE {m['mape_pct']:.1f}%, bias {m['bias_pct']:+.1f}%")
+    return m, pred
+
+
+def few_shot(t: Transfer, name: str, held: np.ndarray, k: int, draws: int) -> dict:
+    """k runs of a held-out source join the training set; the refit predicts the rest."""
+    _, tables0, _ = t.zero_shot_fits[held.tobytes()]
+    idx = np.flatnonzero(held)
+    mapes = []
+    for draw in range(draws):
+        rng = np.random.default_rng(1000 * k + draw)
+        shot = rng.choice(idx, size=k, replace=False)
+        train = ~held
+        train[shot] = True
+        res, tables, w, _ = t.fit(train, t.few_cfg, init=tables0)
+        rest = np.setdiff1d(idx, shot)
+        pred = t.predict(rest, tables, w)
+        mapes.append(float(ape_pct(pred, t.log_meas[rest]).mean()))
+    t.say(f"few-shot {name} k={k}: MAPE {np.mean(mapes):.1f}% (worst draw {max(mapes):.1f}%)")
+    return {
+        "kind": "source",
+        "name": name,
+        "k": k,
+        "draws": draws,
+        "mape_pct_mean": float(np.mean(mapes)),
+        "mape_pct_worst": float(max(mapes)),
+        "mape_pct_draws": mapes,
+    }
+
+
+def _groups(t: Transfer, quick: bool) -> list[tuple[str, str, np.ndarray]]:
+    groups = [("source", s, t.src == s) for s in sorted(set(t.src))]
+    if not quick:
+        groups += [("cluster", c, t.cluster == c) for c in sorted(set(t.cluster))]
+    return [g for g in groups if g[2].sum() >= MIN_ROWS]
+
+
+def summary(groups: list, few: list) -> dict:
+    loso = [g for g in groups if g["kind"] == "source"]
+    k10 = [f["mape_pct_mean"] for f in few if f["k"] == 10]
+    cov = [g["coverage_pct"] for g in groups if g["coverage_pct"] is not None]
+    return {
+        "loso_mean_mape_pct": float(np.mean([g["mape_pct"] for g in loso])) if loso else None,
+        "loso_max_mape_pct": max((g["mape_pct"] for g in loso), default=None),
+        "loso_max_abs_bias_pct": max((abs(g["bias_pct"]) for g in loso), default=None),
+        "loco_mean_mape_pct": float(
+            np.mean([g["mape_pct"] for g in groups if g["kind"] == "cluster"] or [np.nan])
+        ),  # fmt: skip
+        "coverage_pct": float(np.mean(cov)) if cov else None,
+        "few_shot_k10_mape_pct": float(np.mean(k10)) if k10 else None,
+    }
+
+
+def measure(args) -> dict:
+    t = Transfer(args)
+    groups, preds = [], {}
+    for kind, name, held in _groups(t, t.quick):
+        m, pred = zero_shot(t, kind, name, held)
+        groups.append(m)
+        preds[(kind, name)] = (np.flatnonzero(held), pred)
+    few = []
+    if not args.no_few_shot:
+        for g in (g for g in groups if g["kind"] == "source"):
+            held = t.src == g["name"]
+            for k in FEW_SHOT_K:
+                if held.sum() > k + 2:
+                    few.append(few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS))
+    plot = _plot(t, preds, Path(args.plots)) if args.plots else None
+    s = summary(groups, few)
+    return {
+        "groups": groups,
+        "few_shot": few,
+        "summary": s,
+        "targets": {
+            k: {"value": s[k], "limit": v, "ok": s[k] is not None and s[k] <= v}
+            for k, v in TARGETS.items()
+        },
+        "details": {
+            "quick": t.quick,
+            "unseen_cluster": t.unseen,
+            "fit_steps": t.cfg.steps,
+            "device_layer_grid": t.cfg.device_layer_grid,
+            "stacks": t.cfg.stacks,
+            "few_shot_steps": t.few_cfg.steps,
+            "few_shot_learning_rate": t.few_cfg.learning_rate,
+            "frameworks": sorted(FRAMEWORK_DEFAULTS),
+            "plot": plot,
+            "seconds": time.perf_counter() - t.t0,
+        },
+    }
+
+
+def _plot(t: Transfer, preds: dict, outdir: Path) -> str:
+    labels, meas, pred = [], [], []
+    for (kind, name), (idx, p) in preds.items():
+        labels += [f"{kind}: {name}"] * len(idx)
+        meas.append(np.exp(t.log_meas[idx]))
+        pred.append(np.exp(p))
+    outdir.mkdir(parents=True, exist_ok=True)
+    return grouped_pred_meas(
+        outdir / "transfer_zero_shot.png",
+        labels,
+        np.concatenate(meas),
+        np.concatenate(pred),
+        "Zero-shot transfer: each group predicted by a fit that never saw it",
+        "predicted s/iter (held out)",
+    )
+
+
+def print_tables(r: dict) -> None:
+    print(f"{'group':44s} {'rows':>5s} {'MAPE%':>7s} {'bias%':>7s} {'max%':>7s} {'tau':>6s} "
+          f"{'cover%':>7s} {'width%':>7s}")  # fmt: skip
+    for g in r["groups"]:
+        print(
+            f"{g['kind'] + ': ' + g['name']:44s} {g['rows']:5d} {fmt(g['mape_pct']):>7s} "
+            f"{fmt(g['bias_pct']):>7s} {fmt(g['max_ape_pct']):>7s} {fmt(g['kendall_tau'], 3):>6s} "
+            f"{fmt(g['coverage_pct']):>7s} {fmt(g['median_width_pct']):>7s}"
+        )
+    if r["few_shot"]:
+        print(f"\n{'few-shot (refit with k runs of the source)':44s} {'k':>3s} "
+              f"{'MAPE% mean':>11s} {'worst draw':>11s}")  # fmt: skip
+        for f in r["few_shot"]:
+            print(f"{f['name']:44s} {f['k']:3d} {f['mape_pct_mean']:11.1f} "
+                  f"{f['mape_pct_worst']:11.1f}")  # fmt: skip
+    print("\nsummary: " + ", ".join(f"{k} {fmt(v)}" for k, v in r["summary"].items()))
+    for k, v in r["targets"].items():
+        print(f"  {k:26s} {fmt(v['value'], 2):>8s}  limit {v['limit']:g}  "
+              f"{'ok' if v['ok'] else 'MISSED'}")  # fmt: skip
+    print(f"total {r['details']['seconds']:.0f} s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
+    ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
+    ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
+                    help="constants of a held-out cluster no training run names")  # fmt: skip
+    ap.add_argument("--no-device-layer-grid", action="store_true",
+                    help="hold the device layer shape grid at factor 1 (FitConfig)")  # fmt: skip
+    ap.add_argument("--no-stacks", action="store_true",
+                    help="hold the software stack offsets at 0 (FitConfig)")  # fmt: skip
+    ap.add_argument("--data", default=str(DATA), help="shared data directory")
+    ap.add_argument("--plots", default=str(RESULTS), help="directory for the PNG plot ('' none)")
+    ap.add_argument("--out", default=str(RESULTS / "transfer.json"), help="results JSON")
+    args = ap.parse_args(argv)
+    with fresh_compilation_cache("transfer-xla-"):
+        result = clean_json(measure(args))
+    return finish(result, Path(args.out), args.json, print_tables)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
