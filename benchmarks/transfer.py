@@ -30,6 +30,7 @@ transfer.json`` (``--out``) and a plot of every held-out group to ``transfer_zer
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 import time
 from pathlib import Path
@@ -217,7 +218,7 @@ def summary(groups: list, few: list) -> dict:
 def measure(args) -> dict:
     t = Transfer(args)
     groups, preds = [], {}
-    for kind, name, held in _groups(t, t.quick):
+    for kind, name, held in _groups(t, t.quick or args.sources_only):
         m, pred = zero_shot(t, kind, name, held)
         groups.append(m)
         preds[(kind, name)] = (np.flatnonzero(held), pred)
@@ -229,6 +230,7 @@ def measure(args) -> dict:
                 if held.sum() > k + 2:
                     few.append(few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS))
     plot = _plot(t, preds, Path(args.plots)) if args.plots else None
+    rows_csv = _write_rows(t, preds, Path(args.out).with_name(Path(args.out).stem + "_rows.csv"))
     s = summary(groups, few)
     return {
         "groups": groups,
@@ -248,9 +250,27 @@ def measure(args) -> dict:
             "few_shot_learning_rate": t.few_cfg.learning_rate,
             "frameworks": sorted(FRAMEWORK_DEFAULTS),
             "plot": plot,
+            "rows_csv": rows_csv,
             "seconds": time.perf_counter() - t.t0,
         },
     }
+
+
+def _write_rows(t: Transfer, preds: dict, path: Path) -> str:
+    """Every held-out prediction of the zero-shot groups, one CSV row each."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["group", "row", "source", "cluster", "stack", "model", "seq_len", "n_gpus",
+                    "tp", "pp", "dp", "microbatch", "measured_s", "predicted_s"])  # fmt: skip
+        for (kind, name), (idx, pred) in preds.items():
+            for i, p in zip(idx, pred):
+                r = t.e2e[i]
+                w.writerow([f"{kind}: {name}", r.row, r.source_name, r.cluster.name, r.stack,
+                            r.model.name, r.model.seq_len, r.plan.n_gpus, r.plan.tp, r.plan.pp,
+                            r.plan.dp, r.plan.microbatch, f"{np.exp(t.log_meas[i]):.6g}",
+                            f"{np.exp(p):.6g}"])  # fmt: skip
+    return str(path)
 
 
 def _plot(t: Transfer, preds: dict, outdir: Path) -> str:
@@ -297,6 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
     ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
+    ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
     ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
                     help="constants of a held-out cluster no training run names")  # fmt: skip
     ap.add_argument("--no-device-layer-grid", action="store_true",
