@@ -18,7 +18,7 @@ from calibration.records import Measurements
 from diffcost import kernels
 from diffcost.arrays import ACT_BYTES, stack
 from diffcost.gpus import FAMILY_CLUSTER, gpu_family
-from diffcost.params import ATTN_SHAPE_LEAVES
+from diffcost.params import ATTN_BWD_SHAPE_LEAVES, ATTN_SHAPE_LEAVES
 from diffcost.specs import PRECISIONS
 from diffcost.workload import attention_shape
 
@@ -39,7 +39,9 @@ def attention_time(flops, n_bytes, shape, stage, cluster, params, temperature):
 # Device constants that only attention kernel tables move: a family without such a table keeps
 # them at their start (``freeze_unmeasured_attention``), so its end-to-end runs cannot use
 # them as free knobs.
-ATTENTION_ONLY_LEAVES = ATTN_SHAPE_LEAVES + ("attn_bwd_log_odds",)
+ATTENTION_ONLY_LEAVES = (
+    ATTN_SHAPE_LEAVES + ATTN_BWD_SHAPE_LEAVES + ("attn_bwd_log_odds", "attn_ceiling_log")
+)
 
 
 def build(meas: Measurements, families, clusters, cl, idx) -> dict:

@@ -62,6 +62,9 @@ ATTN_SHAPE_LEAVES = (
     "attn_heads_log_odds",
     "attn_group_log_odds",
 )
+# The backward kernel's own shape terms, same order (it parallelizes over key blocks, so it
+# depends less on the head count than the forward).
+ATTN_BWD_SHAPE_LEAVES = tuple(leaf.replace("attn_", "attn_bwd_") for leaf in ATTN_SHAPE_LEAVES)
 
 Transform = Literal["log", "logit"]
 Level = Literal["device", "cluster", "stack"]
@@ -119,8 +122,10 @@ class Constant:
 # 0.5 by the grouped CV (benchmarks/calibration_cv.py), so it carries a small selection bias.
 # FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
 # on Hopper, so its odds ratio stays near 1 where no data separates the two kernels. The
-# attention shape odds (per octave of sequence, head dim, heads per GPU, GQA group) and the
-# backward kernel's odds ratio default to 1, so attention is ``attn_eff`` at every shape until
+# attention shape odds (per octave of sequence, head dim, heads per GPU, GQA group; forward and
+# backward), the backward kernel's odds ratio and the ceiling (attention's best rate as a
+# multiple of the 16-bit GEMM rate: a fused kernel can outrun the GEMMs of a table whose GEMMs
+# run far below peak) default to 1, so attention is ``attn_eff`` at every shape until
 # an attention kernel table moves them (``calibration.fit`` fits them only for GPU families
 # with such a table); their width, 0.5 in log odds per octave, is a guess of how far a
 # kernel's efficiency plausibly drifts per doubling of a dimension. Shape grid nodes get 0.3
@@ -151,6 +156,16 @@ CONSTANTS = (
        "attention odds per GQA-group octave", "x"),
     _C("attn_bwd_odds", "attn_bwd_log_odds", "log", 1.0, 0.5, "device",
        "attention backward odds ratio", "x"),
+    _C("attn_bwd_seq_odds", "attn_bwd_seq_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per sequence octave", "x"),
+    _C("attn_bwd_dim_odds", "attn_bwd_dim_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per head-dim octave", "x"),
+    _C("attn_bwd_heads_odds", "attn_bwd_heads_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per heads-per-GPU octave", "x"),
+    _C("attn_bwd_group_odds", "attn_bwd_group_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per GQA-group octave", "x"),
+    _C("attn_ceiling", "attn_ceiling_log", "log", 1.0, 0.5, "device",
+       "attention ceiling over the 16-bit GEMM rate", "x"),
     _C("mem_eff", "mem_eff_logit", "logit", 0.80, 1.0, "device", "HBM efficiency", "%", 100.0),
     _C("kernel_overhead_s", "kernel_overhead_log_s", "log", 4e-6, 1.0, "device",
        "kernel launch overhead", "µs", 1e6),
@@ -204,18 +219,23 @@ def _constrained(constant: Constant):
 
 
 def _attention_eff(self, flash2, shape=None):
-    """Attention kernel efficiency, forward and backward ``[2]``: the fused (cuDNN) kernel's
-    ``attn_eff`` at the reference shape (``ATTN_SHAPE_REF``), or for ``flash2`` = 1
-    FlashAttention-2's, whose odds are ``attn_flash_odds`` times those. ``shape`` ``[..., 4]``
-    holds the octaves of the kernel's shape from the reference
-    (``diffcost.workload.attention_shape``); each multiplies the odds by its constant
-    (``attn_seq_odds``, ...) per octave. The backward kernel's odds are ``attn_bwd_odds`` times
-    the forward's. At their defaults (1) every shape gets ``attn_eff``."""
-    logit = self.attn_eff_logit + flash2 * self.attn_flash_log_odds
+    """Attention kernel efficiency against the 16-bit GEMM rate, forward and backward ``[2]``.
+
+    ``attn_ceiling`` times a sigmoid of log odds: ``attn_eff`` at the reference shape
+    (``ATTN_SHAPE_REF``), FlashAttention-2's (``flash2`` = 1) odds ``attn_flash_odds`` times
+    those, and ``shape`` ``[..., 4]`` the octaves of the kernel's shape from the reference
+    (``diffcost.workload.attention_shape``), each multiplying the odds by its constant per
+    octave (``attn_seq_odds``, ... forward; ``attn_bwd_seq_odds``, ... backward, whose odds are
+    also ``attn_bwd_odds`` times the forward's). At their defaults (1) every shape and both
+    passes get ``attn_eff``.
+    """
+    fwd = self.attn_eff_logit + flash2 * self.attn_flash_log_odds
+    bwd = fwd + self.attn_bwd_log_odds
     if shape is not None:
-        for i, leaf in enumerate(ATTN_SHAPE_LEAVES):
-            logit = logit + getattr(self, leaf) * shape[..., i]
-    return jax.nn.sigmoid(jnp.stack([logit, logit + self.attn_bwd_log_odds]))
+        for i, (f, b) in enumerate(zip(ATTN_SHAPE_LEAVES, ATTN_BWD_SHAPE_LEAVES)):
+            fwd = fwd + getattr(self, f) * shape[..., i]
+            bwd = bwd + getattr(self, b) * shape[..., i]
+    return jnp.exp(self.attn_ceiling_log) * jax.nn.sigmoid(jnp.stack([fwd, bwd]))
 
 
 def _make_params():

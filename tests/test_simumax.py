@@ -21,7 +21,7 @@ from calibration.simumax import (
 )
 from diffcost import api, kernels
 from diffcost.config import load_cluster
-from diffcost.params import ATTN_SHAPE_LEAVES, default_params
+from diffcost.params import default_params
 from diffcost.profiles import params_for
 from diffcost.specs import PRECISIONS
 from diffcost.workload import attention_shape, layer_work
@@ -145,11 +145,20 @@ def _shapes():
 
 
 def test_default_shape_terms_reproduce_the_single_constant_exactly():
+    """At the defaults the shape odds, backward odds and ceiling change nothing, bit for bit."""
     params = default_params()
     for flash2 in (0.0, 1.0):
         old = jax.nn.sigmoid(params.attn_eff_logit + flash2 * params.attn_flash_log_odds)
         eff = params.attention_eff(flash2, _shapes())
         assert np.array_equal(np.asarray(eff), np.full(eff.shape, float(old)))
+
+
+def test_ceiling_scales_both_passes_at_every_shape():
+    params = default_params()
+    raised = params.replace(attn_ceiling_log=jnp.log(1.25))
+    shapes = _shapes()
+    ratio = raised.attention_eff(0.0, shapes) / params.attention_eff(0.0, shapes)
+    assert np.allclose(np.asarray(ratio), 1.25, rtol=1e-12)
 
 
 def test_default_kernel_times_do_not_depend_on_the_attention_shape():
@@ -171,7 +180,7 @@ def test_attention_shape_octaves():
 def test_attention_kernel_time_gradient_is_finite():
     cluster = _b200_arrays()
     params = default_params().replace(
-        **{leaf: jnp.asarray(0.2) for leaf in (*ATTN_SHAPE_LEAVES, "attn_bwd_log_odds")}
+        **{leaf: jnp.asarray(0.2) for leaf in kernel_levels.ATTENTION_ONLY_LEAVES}
     )
     shape = attention_shape(8192.0, 64.0, 16.0, 8.0)  # off the reference in every term
 
@@ -183,7 +192,7 @@ def test_attention_kernel_time_gradient_is_finite():
         grads = jax.grad(log_time)(params, stage)
         leaves = jax.tree_util.tree_leaves(grads)
         assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
-        assert float(grads.attn_seq_log_odds) != 0.0
+        assert float(grads.attn_seq_log_odds if stage == 0 else grads.attn_bwd_seq_log_odds) != 0.0
     check_grads(lambda p: params.replace(attn_eff_logit=p).attention_eff(0.0, shape), (0.3,), 1)
 
 
@@ -200,6 +209,10 @@ TRUE = {
     "attn_heads_log_odds": 0.7,
     "attn_group_log_odds": 0.2,
     "attn_bwd_log_odds": -0.4,
+    "attn_bwd_seq_log_odds": 0.2,
+    "attn_bwd_dim_log_odds": 0.1,
+    "attn_bwd_heads_log_odds": 0.3,
+    "attn_bwd_group_log_odds": -0.2,
 }
 
 
@@ -237,7 +250,8 @@ def test_fit_recovers_attention_shape_constants():
     result = fit_mod.fit(_synthetic_attention(), cfg, progress=False)
     values = result.device_values["b200"]
     assert values["attn_eff"] == pytest.approx(jax.nn.sigmoid(TRUE["attn_eff_logit"]), rel=0.02)
-    for name in ("seq", "dim", "heads", "group", "bwd"):
+    names = ("seq", "dim", "heads", "group", "bwd", "bwd_seq", "bwd_dim", "bwd_heads", "bwd_group")
+    for name in names:
         want = math.exp(TRUE[f"attn_{name}_log_odds"])
         assert values[f"attn_{name}_odds"] == pytest.approx(want, rel=RECOVERY_REL)
     assert np.max(np.abs(result.residuals["attn"])) < 0.01
