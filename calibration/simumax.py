@@ -42,10 +42,13 @@ of a new machine and no training run on it:
              + latency_us * scale * (n + offset) + fixed_latency_us        (collectives)
       time = size / (efficiency * link_GBps * 2^30) + latency_us            (p2p)
 
-  with the all-to-all's fixed latency per group size from the row's notes. The records say so
-  in their ``source_name``; they carry no more information than the parameters, but in the
-  form the fit compares the model with (time per size and group), so the cluster's link
-  constants are fitted the same way as from nccl-tests tables. ``high_intra_node`` is used;
+  with the all-to-all's fixed latency per group size from the row's notes. A row whose fitted
+  efficiency is above 1 (``p2p``: 1.45 of the 900 GB/s one-direction link, so SimuMax's size
+  counts other bytes than one transfer's) is skipped with the reason: the model's send of
+  ``size`` bytes cannot beat the link. The derived records say what they are in their
+  ``source_name``; they carry no more information than the parameters, but in the form the fit
+  compares the model with (time per size and group), so the cluster's link constants are
+  fitted the same way as from nccl-tests tables. ``high_intra_node`` is used;
   ``low_intra_node`` (SimuMax's second intra-node class, the same parameters in this file) and
   ``inter_node`` (not fitted: one node) are skipped with the reason.
 """
@@ -92,6 +95,10 @@ MEMORY_BYTES = float(2**30)  # the transfer a memory row is turned into
 GIB = float(2**30)  # SimuMax's GB/s are GiB/s (``gbps * 1024**3``)
 DERIVED_SIZES = tuple(float(2**e) for e in range(16, 31))
 DERIVED_GROUPS = (2, 4, 8)
+# A fitted bus rate above the one-direction link (SimuMax's p2p: 1.45 x 900 GB/s) counts
+# bytes differently from the model's send of ``size`` bytes one way over the link; its times
+# cannot be compared with the model's.
+_OVER_LINK = "a rate above the one-direction link: SimuMax counts other bytes than the model"
 _COLLECTIVE_NAMES = {
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
@@ -245,6 +252,10 @@ def read_simumax_collective_fit(path) -> Measurements:
             why = "not fitted: one node" if row["link"] == "inter_node" else "high_intra_node used"
             out.skipped.append((where, f"SimuMax link class {row['link']}: {why}"))
             continue
+        efficiency = _positive(table, row, line, "efficiency")
+        if efficiency > 1.0:
+            out.skipped.append((where, f"{name} efficiency {efficiency:g} > 1: {_OVER_LINK}"))
+            continue
         scale = table.number(row, line, "scale")
         offset = table.number(row, line, "offset")
         if scale is None or offset is None:
@@ -254,7 +265,7 @@ def read_simumax_collective_fit(path) -> Measurements:
         params = (
             scale,
             offset,
-            _positive(table, row, line, "efficiency"),
+            efficiency,
             _positive(table, row, line, "link_GBps") * GIB,
             table.number(row, line, "latency_us") or 0.0,
             {n: by_group.get(n, fixed) for n in DERIVED_GROUPS},

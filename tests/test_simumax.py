@@ -45,10 +45,11 @@ def test_detect_kind_and_load_both_files():
     assert detect_kind(COLL_FIT) == "simumax-collectives"
     meas = load([KERNELS, COLL_FIT])
     counts = meas.counts()
-    assert (counts["gemms"], counts["attention"], counts["memory"]) == (514, 64, 1)
-    # 4 collectives x 3 group sizes + p2p, 15 message sizes each
-    assert counts["collectives"] == (4 * 3 + 1) * 15
     reasons = counts["skipped"]
+    assert (counts["gemms"], counts["attention"], counts["memory"]) == (514, 64, 1)
+    # 4 collectives x 3 group sizes, 15 message sizes each; p2p (efficiency 1.45) is skipped
+    assert counts["collectives"] == 4 * 3 * 15
+    assert sum(n for r, n in reasons.items() if r.startswith("p2p efficiency 1.4517 > 1")) == 1
     assert sum(n for r, n in reasons.items() if r.startswith("grouped GEMM")) == 108
 
 
