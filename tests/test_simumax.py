@@ -1,6 +1,7 @@
 """SimuMax node descriptions: readers, attention efficiency by shape, the simumax-b200 preset."""
 
 import csv
+import json
 import math
 
 import jax
@@ -275,6 +276,22 @@ def test_shape_constants_are_held_for_families_without_attention_rows():
 
 # --------------------------------------------------------------------------------------------
 # The preset and its profile
+
+
+@needs_data
+def test_calibrate_command_fits_the_node_from_its_tables(tmp_path, capsys):
+    from diffcost import cli
+
+    out = tmp_path / "simumax.yaml"
+    argv = ["calibrate", "--cluster", "simumax-b200", str(KERNELS), str(COLL_FIT)]
+    argv += ["--from", "none", "--out", str(out), "--steps", "150", "--json"]
+    assert cli.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["rows"]) == {"attn", "coll", "gemm", "mem"}
+    for level in summary["rows"].values():
+        assert level["mape_after_pct"] < level["mape_before_pct"]
+    assert summary["written"] == [str(out)]
+    assert params_for(load_cluster("simumax-b200"), out)[0].attn_seq_odds > 1.0
 
 
 def test_preset_loads_with_the_stated_hardware():
