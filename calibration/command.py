@@ -203,6 +203,8 @@ def _found(meas: Measurements) -> str:
     families = Counter(g.gpu for g in meas.gemms)
     parts = [f"{name} ({n})" for name, n in clusters.most_common()]
     parts += [f"GEMMs of {fam} GPUs ({n})" for fam, n in families.most_common()]
+    kernels = Counter(a.gpu for a in meas.attention)
+    parts += [f"attention kernels of {fam} GPUs ({n})" for fam, n in kernels.most_common()]
     return ", ".join(parts) if parts else "no usable rows"
 
 
@@ -214,7 +216,7 @@ def _measurements(args) -> tuple[Measurements, Measurements]:
     """
     everything = load(args.data, cluster=args.cluster)
     meas = select(everything, args.cluster)
-    if not (meas.e2e or meas.collectives or meas.gemms):
+    if not (meas.e2e or meas.collectives or meas.gemms or meas.attention or meas.memory):
         raise ValueError(
             f"no measurements for {', '.join(args.cluster)} in {', '.join(map(str, args.data))}"
             f"; the files hold: {_found(everything)}"

@@ -1,6 +1,7 @@
 """Fit Params to measurements by gradient descent (optax), all levels jointly.
 
-Levels: GEMM kernels (time per shape and precision), collectives (time per size, group and
+Levels: GEMM kernels (time per shape and precision), fused attention kernels (time per shape,
+forward and backward), memory-bound transfers, collectives (time per size, group and
 placement), end-to-end iterations. The loss is a robust penalty on ``log(predicted / measured)``
 per level, averaged per level and weighted, plus a Gaussian prior pulling every raw (log /
 logit) constant toward its datasheet default, with a width per constant (``PRIOR_SD``). The
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from calibration import kernel_levels
+from calibration.kernel_levels import KERNEL_LEVELS
 from calibration.records import Measurements
 from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
@@ -78,6 +81,8 @@ class FitConfig:
     redescend: tuple[float, float] = (0.3, 0.6)
     prior_weight: float = 1e-5  # per constant: squared distance from the default / PRIOR_SD^2
     weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # e2e, collectives, gemm
+    attention_weight: float = 1.0  # the attention kernel level
+    memory_weight: float = 1.0  # the memory-bound transfer level
     tol: float = 1e-7  # stop when the loss improves less than this over `patience` steps
     patience: int = 100
     temperature: float = 1e-3
@@ -256,6 +261,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             ),
             "log_meas": np.log(np.array([g.time_s for g in gemms], dtype=float)),
         }
+    data.update(kernel_levels.build(meas, families, clusters, cl, idx))
     cast = lambda x: jnp.asarray(x, dtype) if np.asarray(x).dtype.kind == "f" else jnp.asarray(x)  # noqa: E731
     data = jax.tree_util.tree_map(cast, data)
     counts = {k: int(v["log_meas"].shape[0]) for k, v in data.items()}
@@ -305,6 +311,11 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         out["gemm"] = jnp.log(
             run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params, log_eff)
         )
+    for level in KERNEL_LEVELS:
+        if level in data:
+            d = data[level]
+            params = assemble(dev_tab, clu_tab, d["d"], d["c"])
+            out[level] = kernel_levels.predict_log(level, d, params, temperature)
     return out
 
 
@@ -375,9 +386,14 @@ def make_loss(
     ``(loss, {level: log predicted time})``."""
     dev0, clu0 = initial_tables(problem, dtype, start)
     level_w = dict(zip(("e2e", "coll", "gemm"), cfg.weights))
+    level_w.update(attn=cfg.attention_weight, mem=cfg.memory_weight)
+    measured = np.zeros(len(problem.families), dtype=bool)
+    if "attn" in problem.data:
+        measured[np.unique(np.asarray(problem.data["attn"]["d"]))] = True
 
     def loss_fn(tables, data, redescend=1.0):
         dev, clu = tables
+        dev = kernel_levels.freeze_unmeasured_attention(dev, measured)
         if "e2e" in data:
             clu = _freeze_small_cluster_grids(clu, data["e2e"], cfg.cluster_grid_rows)
         if not cfg.device_layer_grid:

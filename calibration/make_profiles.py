@@ -2,7 +2,8 @@
 
     python -m calibration.make_profiles [--data ../shared/data] [--steps 600]
 
-One joint fit over every end-to-end run, collective table and GEMM table that maps to a cluster
+One joint fit over every end-to-end run, collective table, GEMM table and SimuMax node
+description (kernel table and collective fit, ``calibration.simumax``) that maps to a cluster
 preset: device constants per GPU family (shared by every cluster with that GPU), cluster
 constants per cluster. Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, and
 ``population.yaml``: the cluster constants averaged over the clusters with end-to-end runs, which
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from calibration import command
 from calibration import fit as fit_mod
@@ -38,6 +41,8 @@ def main(argv=None) -> int:
         data / "e2e" / "calibration.csv",
         data / "collectives" / "collectives.csv",
         data / "kernels" / "gemm.csv",
+        data / "kernels" / "b200_simumax_kernels.csv",
+        data / "collectives" / "b200_simumax_collective_fit.csv",
     ]
     missing = [str(f) for f in files if not f.exists()]
     if missing:
@@ -53,6 +58,11 @@ def main(argv=None) -> int:
             f"{level:5s} rows {resid.size:6d}  MAPE before {command._mape(pre):6.1f}%  "
             f"after {command._mape(resid):6.1f}%"
         )
+    if "attn" in result.residuals:
+        backward = np.asarray(problem.data["attn"]["stage"]) == 1
+        for name, rows in (("fwd", ~backward), ("bwd", backward)):
+            resid = result.residuals["attn"][rows]
+            print(f"  attention {name}: rows {resid.size}  MAPE after {command._mape(resid):.1f}%")
     print(f"{result.steps} steps in {result.seconds:.1f} s")
     meta = {
         "fitted_on": [str(f) for f in files],

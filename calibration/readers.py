@@ -8,7 +8,11 @@ Four formats are read (schemas in ``shared/data/README.md``):
 * raw stdout of nccl-tests (``all_reduce_perf``, ``all_gather_perf``, ``reduce_scatter_perf``,
   ``alltoall_perf``, ``sendrecv_perf``) -> :class:`CollectiveRecord`
   (:mod:`calibration.nccl_tests`);
-* GEMM throughput (CSV with ``flops_per_s`` and ``m``, ``n``, ``k``) -> :class:`GemmRecord`.
+* GEMM throughput (CSV with ``flops_per_s`` and ``m``, ``n``, ``k``) -> :class:`GemmRecord`;
+* SimuMax kernel tables (CSV with ``op``, ``efficiency`` and ``peak_tflops``) -> GEMM,
+  attention-kernel and memory records, and SimuMax collective fits (CSV with ``link``,
+  ``latency_us``, ``scale``, ``offset``) -> collective records derived from the fitted
+  parameters (:mod:`calibration.simumax`, which says what each row becomes).
 
 All values are SI (seconds, bytes). Every record keeps the file and 1-based line it came from
 (the CSV header is line 1). Rows that cannot be represented are listed in
@@ -38,11 +42,13 @@ from pathlib import Path
 from calibration.nccl_tests import MARKERS_RE, read_nccl_tests
 from calibration.records import (
     COLLECTIVES,
+    AttentionRecord,
     CollectiveRecord,
     CsvTable,
     E2ERecord,
     GemmRecord,
     Measurements,
+    MemoryRecord,
     ReaderError,
     Source,
     canonical_collective,
@@ -51,16 +57,19 @@ from calibration.records import (
     open_file,
     placement,
 )
+from calibration.simumax import read_simumax_collective_fit, read_simumax_kernels
 from diffcost.gpus import family_peak_flops, gpu_family
 from diffcost.runs import E2E_COLUMNS, E2E_FLOAT_COLUMNS, E2E_INT_COLUMNS, RowSkipped, row_to_specs
 from diffcost.stacks import stack_of
 
 __all__ = [
     "COLLECTIVES",
+    "AttentionRecord",
     "CollectiveRecord",
     "E2ERecord",
     "GemmRecord",
     "Measurements",
+    "MemoryRecord",
     "ReaderError",
     "Source",
     "load",
@@ -68,6 +77,8 @@ __all__ = [
     "read_e2e_csv",
     "read_gemm_csv",
     "read_nccl_tests",
+    "read_simumax_collective_fit",
+    "read_simumax_kernels",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +352,8 @@ def read_gemm_csv(path) -> Measurements:
 ACCEPTED_FORMATS = (
     "end-to-end CSV (header with 'measured_iter_s'), collectives CSV (header with "
     "'collective' and 'time_us'), GEMM CSV (header with 'flops_per_s', 'm', 'n', 'k'), "
+    "SimuMax kernel table (header with 'op', 'efficiency', 'peak_tflops'), SimuMax collective "
+    "fit (header with 'link', 'collective', 'latency_us', 'scale', 'offset'), "
     "or nccl-tests stdout (all_reduce_perf, all_gather_perf, reduce_scatter_perf, "
     "alltoall_perf, sendrecv_perf)"
 )
@@ -348,7 +361,8 @@ _SUFFIXES = (".csv", ".txt", ".log")
 
 
 def detect_kind(path) -> str:
-    """``"e2e"``, ``"collectives"``, ``"gemm"`` or ``"nccl-tests"``; ReaderError otherwise."""
+    """``"e2e"``, ``"collectives"``, ``"gemm"``, ``"simumax-kernels"``,
+    ``"simumax-collectives"`` or ``"nccl-tests"``; ReaderError otherwise."""
     path = str(path)
     with open_file(path, encoding="utf-8-sig", errors="replace") as fh:
         text = fh.read()
@@ -365,6 +379,10 @@ def detect_kind(path) -> str:
         return "collectives"
     if {"flops_per_s", "m", "n", "k"} <= cols:
         return "gemm"
+    if {"op", "efficiency", "peak_tflops"} <= cols:
+        return "simumax-kernels"
+    if {"link", "collective", "latency_us", "scale", "offset"} <= cols:
+        return "simumax-collectives"
     if MARKERS_RE.search(text):
         return "nccl-tests"
     raise ReaderError(path, 1, f"unknown file format; accepted: {ACCEPTED_FORMATS}")
@@ -414,6 +432,10 @@ def load(paths: Iterable[str | os.PathLike], cluster=None) -> Measurements:
             total = total + read_collectives_csv(f)
         elif kind == "gemm":
             total = total + read_gemm_csv(f)
+        elif kind == "simumax-kernels":
+            total = total + read_simumax_kernels(f)
+        elif kind == "simumax-collectives":
+            total = total + read_simumax_collective_fit(f)
         else:
             if isinstance(cluster, list):
                 raise ReaderError(

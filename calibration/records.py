@@ -92,6 +92,40 @@ class GemmRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionRecord:
+    """One timed fused attention kernel (forward or backward) of ``batch`` sequences of
+    ``seq_len`` tokens, ``heads`` query and ``kv_heads`` key/value heads on one GPU.
+
+    ``head_dim`` is the mean of the query/key and value head dims, so the model's FLOP count
+    ``4 batch seq_len^2 heads head_dim`` (the full square) is the kernel's.
+    """
+
+    gpu: str  # GPU family key
+    stage: str  # "fwd" or "bwd"
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: float
+    causal: bool
+    time_s: float
+    where: Source
+    source_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRecord:
+    """One memory-bound transfer: ``n_bytes`` through HBM in ``time_s`` on ``cluster``."""
+
+    gpu: str  # GPU family key
+    cluster: str  # preset whose HBM bandwidth the time is compared with
+    n_bytes: float
+    time_s: float
+    where: Source
+    source_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class E2ERecord:
     """One measured training run, as the simulator's specs."""
 
@@ -121,6 +155,8 @@ class Measurements:
     e2e: list[E2ERecord] = dataclasses.field(default_factory=list)
     collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
     gemms: list[GemmRecord] = dataclasses.field(default_factory=list)
+    attention: list[AttentionRecord] = dataclasses.field(default_factory=list)
+    memory: list[MemoryRecord] = dataclasses.field(default_factory=list)
     skipped: list[tuple[Source, str]] = dataclasses.field(default_factory=list)
 
     def __add__(self, other: Measurements) -> Measurements:
@@ -130,6 +166,8 @@ class Measurements:
             e2e=self.e2e + other.e2e,
             collectives=self.collectives + other.collectives,
             gemms=self.gemms + other.gemms,
+            attention=self.attention + other.attention,
+            memory=self.memory + other.memory,
             skipped=self.skipped + other.skipped,
         )
 
@@ -139,13 +177,14 @@ class Measurements:
         return NotImplemented
 
     def __len__(self) -> int:
-        return len(self.e2e) + len(self.collectives) + len(self.gemms)
+        kernels = len(self.gemms) + len(self.attention) + len(self.memory)
+        return len(self.e2e) + len(self.collectives) + kernels
 
     def filter(self, cluster=None, gpu=None, sources=None) -> Measurements:
         """The records matching every given criterion (each a name or an iterable of names).
 
-        * ``cluster``: preset names. E2E and collective records by their cluster; GEMM records
-          by the GPU family of those presets (GEMMs carry no cluster).
+        * ``cluster``: preset names. E2E, collective and memory records by their cluster; GEMM
+          and attention kernel records by the GPU family of those presets (they carry none).
         * ``gpu``: GPU family keys (``"h100"``; full names are reduced with :func:`gpu_family`).
           Collective records by the GPU of their cluster preset; records without a cluster, or
           whose preset cannot be loaded, do not match.
@@ -174,7 +213,10 @@ class Measurements:
                 and (srcs is None or r.source_name in srcs)
             )
 
-        def keep_gemm(r: GemmRecord) -> bool:
+        def keep_e2e_name(name: str) -> bool:
+            return clusters is None or name in clusters
+
+        def keep_gemm(r: GemmRecord | AttentionRecord | MemoryRecord) -> bool:
             return (
                 (cluster_gpus is None or r.gpu in cluster_gpus)
                 and (gpus is None or r.gpu in gpus)
@@ -185,6 +227,8 @@ class Measurements:
             e2e=[r for r in self.e2e if keep_e2e(r)],
             collectives=[r for r in self.collectives if keep_coll(r)],
             gemms=[r for r in self.gemms if keep_gemm(r)],
+            attention=[r for r in self.attention if keep_gemm(r)],
+            memory=[r for r in self.memory if keep_gemm(r) and keep_e2e_name(r.cluster)],
             skipped=list(self.skipped),
         )
 
@@ -194,6 +238,8 @@ class Measurements:
             "e2e": len(self.e2e),
             "collectives": len(self.collectives),
             "gemms": len(self.gemms),
+            "attention": len(self.attention),
+            "memory": len(self.memory),
             "skipped": dict(Counter(reason for _, reason in self.skipped).most_common()),
         }
 

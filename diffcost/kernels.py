@@ -251,13 +251,25 @@ def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
     return layer, jnp.stack([fwd[-1], dgrad[-1] + wgrad[-1]])
 
 
+def fused_attention_s(flops, n_bytes, rate, eff, cluster, params, temperature):
+    """Fused attention kernels ``[2]`` (forward, backward) of ``flops`` model FLOPs (the full
+    square; the causal kernel does half), ``n_bytes`` forward HBM traffic, at ``rate`` FLOP/s
+    times ``eff`` (``Params.attention_eff``, ``[2]``): a roofline per pass, the backward
+    ``ATTN_BWD_FACTOR_FLASH`` times the forward's work."""
+    compute = flops * CAUSAL_FRACTION_FLASH / (rate * eff)
+    one = smooth.smax2(compute, memory_bound_s(n_bytes, cluster, params), temperature)
+    return one * jnp.asarray((1.0, ATTN_BWD_FACTOR_FLASH), one.dtype)
+
+
 def _attention_times(work: LayerWork, model, cluster, params, temperature):
     """Attention core forward and backward [2]: a roofline of its FLOPs (half of them with a
-    fused causal kernel) and its HBM traffic; unfused, the score passes add up in series."""
+    fused causal kernel) and its HBM traffic; unfused, the score passes add up in series. The
+    fused kernel's efficiency depends on its shape (``LayerWork.attention_shape``)."""
     flash = model.flash
     causal = flash * CAUSAL_FRACTION_FLASH + (1.0 - flash)
     rate16 = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
-    attn_rate = rate16 * (flash * params.attention_eff(model.flash2) + (1.0 - flash))
+    eff = params.attention_eff(model.flash2, work.attention_shape)
+    attn_rate = rate16 * (flash * eff + (1.0 - flash))
     fwd = smooth.smax2(
         work.attention_flops * causal / attn_rate,
         memory_bound_s(work.attention_bytes * flash, cluster, params),

@@ -50,6 +50,22 @@ HEAD_GRID = (8, 8, 4)
 HEAD_GRID_LOG2_LO = (9, 7, 0)
 
 
+# The attention kernel's shape terms: its efficiency is logit-linear in the octaves of these
+# four quantities from a reference shape (``Params.attention_eff``): sequence length per GPU
+# (after cp), head dim, heads per GPU times microbatch (the kernel's parallel work across SMs)
+# and heads per KV head (the GQA group). The reference is Llama-3-style, 4096 tokens, head dim
+# 128, 32 (batch x heads) per GPU, MHA; ``attn_eff`` is the efficiency there.
+ATTN_SHAPE_REF = {"seq_len": 4096.0, "head_dim": 128.0, "parallel_heads": 32.0, "group": 1.0}
+ATTN_SHAPE_LEAVES = (
+    "attn_seq_log_odds",
+    "attn_dim_log_odds",
+    "attn_heads_log_odds",
+    "attn_group_log_odds",
+)
+# The backward kernel's own shape terms, same order (it parallelizes over key blocks, so it
+# depends less on the head count than the forward).
+ATTN_BWD_SHAPE_LEAVES = tuple(leaf.replace("attn_", "attn_bwd_") for leaf in ATTN_SHAPE_LEAVES)
+
 Transform = Literal["log", "logit"]
 Level = Literal["device", "cluster", "stack"]
 PER_PRECISION = (len(PRECISIONS),)
@@ -105,10 +121,17 @@ class Constant:
 # into a fixed cost per iteration that short runs then pay; that width was picked from 2, 1 and
 # 0.5 by the grouped CV (benchmarks/calibration_cv.py), so it carries a small selection bias.
 # FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
-# on Hopper, so its odds ratio stays near 1 where no data separates the two kernels. Shape grid
-# nodes get 0.3 (a node 30% off the smooth curve is one width away): the data move the nodes
-# they touch and the rest stay at factor 1; narrower (0.1) kept vTrain's per-shape offsets from
-# being fitted. The LM head grid gets 1.0: at 0.3 the prior held vTrain's tp 1 heads (1.7-3x
+# on Hopper, so its odds ratio stays near 1 where no data separates the two kernels. The
+# attention shape odds (per octave of sequence, head dim, heads per GPU, GQA group; forward and
+# backward), the backward kernel's odds ratio and the ceiling (attention's best rate as a
+# multiple of the 16-bit GEMM rate: a fused kernel can outrun the GEMMs of a table whose GEMMs
+# run far below peak) default to 1, so attention is ``attn_eff`` at every shape until
+# an attention kernel table moves them (``calibration.fit`` fits them only for GPU families
+# with such a table); their width, 0.5 in log odds per octave, is a guess of how far a
+# kernel's efficiency plausibly drifts per doubling of a dimension. Shape grid nodes get 0.3
+# (a node 30% off the smooth curve is one width away): the data move the nodes they touch
+# and the rest stay at factor 1; narrower (0.1) kept vTrain's per-shape offsets from being
+# fitted. The LM head grid gets 1.0: at 0.3 the prior held vTrain's tp 1 heads (1.7-3x
 # the work-based time) to a fraction of that and the fit lengthened the layers instead.
 _GEMM_EFF = {"fp32": 0.80, "bf16": 0.80, "fp16": 0.80, "fp8": 0.65, "fp4": 0.55}
 _C = Constant
@@ -123,6 +146,26 @@ CONSTANTS = (
        "fused attention efficiency", "%", 100.0),
     _C("attn_flash_odds", "attn_flash_log_odds", "log", 1.0, 0.5, "device",
        "FlashAttention-2 odds ratio", "x"),
+    _C("attn_seq_odds", "attn_seq_log_odds", "log", 1.0, 0.5, "device",
+       "attention odds per sequence octave", "x"),
+    _C("attn_dim_odds", "attn_dim_log_odds", "log", 1.0, 0.5, "device",
+       "attention odds per head-dim octave", "x"),
+    _C("attn_heads_odds", "attn_heads_log_odds", "log", 1.0, 0.5, "device",
+       "attention odds per heads-per-GPU octave", "x"),
+    _C("attn_group_odds", "attn_group_log_odds", "log", 1.0, 0.5, "device",
+       "attention odds per GQA-group octave", "x"),
+    _C("attn_bwd_odds", "attn_bwd_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds ratio", "x"),
+    _C("attn_bwd_seq_odds", "attn_bwd_seq_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per sequence octave", "x"),
+    _C("attn_bwd_dim_odds", "attn_bwd_dim_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per head-dim octave", "x"),
+    _C("attn_bwd_heads_odds", "attn_bwd_heads_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per heads-per-GPU octave", "x"),
+    _C("attn_bwd_group_odds", "attn_bwd_group_log_odds", "log", 1.0, 0.5, "device",
+       "attention backward odds per GQA-group octave", "x"),
+    _C("attn_ceiling", "attn_ceiling_log", "log", 1.0, 0.5, "device",
+       "attention ceiling over the 16-bit GEMM rate", "x"),
     _C("mem_eff", "mem_eff_logit", "logit", 0.80, 1.0, "device", "HBM efficiency", "%", 100.0),
     _C("kernel_overhead_s", "kernel_overhead_log_s", "log", 4e-6, 1.0, "device",
        "kernel launch overhead", "µs", 1e6),
@@ -175,10 +218,24 @@ def _constrained(constant: Constant):
     return property(lambda self: squash(getattr(self, constant.leaf)), doc=constant.label)
 
 
-def _attention_eff(self, flash2):
-    """Attention kernel efficiency: the fused (cuDNN) kernel's ``attn_eff``, or for ``flash2`` =
-    1 FlashAttention-2's, whose odds are ``attn_flash_odds`` times those."""
-    return jax.nn.sigmoid(self.attn_eff_logit + flash2 * self.attn_flash_log_odds)
+def _attention_eff(self, flash2, shape=None):
+    """Attention kernel efficiency against the 16-bit GEMM rate, forward and backward ``[2]``.
+
+    ``attn_ceiling`` times a sigmoid of log odds: ``attn_eff`` at the reference shape
+    (``ATTN_SHAPE_REF``), FlashAttention-2's (``flash2`` = 1) odds ``attn_flash_odds`` times
+    those, and ``shape`` ``[..., 4]`` the octaves of the kernel's shape from the reference
+    (``diffcost.workload.attention_shape``), each multiplying the odds by its constant per
+    octave (``attn_seq_odds``, ... forward; ``attn_bwd_seq_odds``, ... backward, whose odds are
+    also ``attn_bwd_odds`` times the forward's). At their defaults (1) every shape and both
+    passes get ``attn_eff``.
+    """
+    fwd = self.attn_eff_logit + flash2 * self.attn_flash_log_odds
+    bwd = fwd + self.attn_bwd_log_odds
+    if shape is not None:
+        for i, (f, b) in enumerate(zip(ATTN_SHAPE_LEAVES, ATTN_BWD_SHAPE_LEAVES)):
+            fwd = fwd + getattr(self, f) * shape[..., i]
+            bwd = bwd + getattr(self, b) * shape[..., i]
+    return jnp.exp(self.attn_ceiling_log) * jax.nn.sigmoid(jnp.stack([fwd, bwd]))
 
 
 def _make_params():

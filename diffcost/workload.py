@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from diffcost.arrays import ACT_BYTES, ModelArrays, PlanArrays
+from diffcost.params import ATTN_SHAPE_REF
 from diffcost.specs import PRECISIONS
 
 # Korthikanti et al.: bytes per token of activations that SP splits (two norm inputs, two
@@ -83,6 +84,7 @@ class LayerWork:
     gemms: Gemms  # [5] QKV, attention output, FC1 (gate+up for SwiGLU), FC2, MoE router
     attention_flops: jax.Array  # forward of softmax(QK^T)V, the full square (model FLOPs)
     attention_bytes: jax.Array  # forward HBM traffic of the attention core
+    attention_shape: jax.Array  # [4] octaves of the attention kernel's shape (attention_shape)
     elementwise_bytes: jax.Array  # forward HBM traffic of norms, activation, dropout, residuals
     cast_fwd_bytes: jax.Array  # FP8/FP4 input casts in forward; 0 in 16 bits
     cast_bwd_bytes: jax.Array  # FP8/FP4 output-gradient casts in backward; 0 in 16 bits
@@ -150,6 +152,16 @@ def _attention_flops(model: ModelArrays, plan: PlanArrays, t):
     return per_key * model.seq_len * head_dim(model)
 
 
+def attention_shape(seq_len, head_dim, parallel_heads, group):
+    """Octaves of an attention kernel's shape from ``params.ATTN_SHAPE_REF``, in the order of
+    ``params.ATTN_SHAPE_LEAVES`` (arrays broadcast; the result stacked on the last axis):
+    sequence length per GPU, head dim, heads per GPU times the sequences of one kernel call,
+    query heads per KV head. ``Params.attention_eff`` reads its efficiency from them."""
+    values = jnp.broadcast_arrays(seq_len, head_dim, parallel_heads, group)
+    refs = ATTN_SHAPE_REF.values()
+    return jnp.stack([jnp.log2(v / ref) for v, ref in zip(values, refs)], axis=-1)
+
+
 def _attention_bytes(model: ModelArrays, plan: PlanArrays, t):
     """HBM traffic of the attention core, forward: Q, K, V, O, plus the scores when unfused."""
     heads_local = model.heads / plan.tp
@@ -206,6 +218,12 @@ def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
         gemms=gemms,
         attention_flops=_attention_flops(model, plan, t),
         attention_bytes=_attention_bytes(model, plan, t),
+        attention_shape=attention_shape(
+            model.seq_len / plan.cp,
+            head_dim(model),
+            plan.microbatch * model.heads / plan.tp,
+            model.heads / model.kv_heads,
+        ),
         elementwise_bytes=_elementwise_bytes(model, plan, sp_t, routed),
         cast_fwd_bytes=cast_fwd,
         cast_bwd_bytes=cast_bwd,
