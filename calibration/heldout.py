@@ -12,6 +12,7 @@ family and cluster order (``map_tables``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from calibration import fit as F
-from calibration.readers import Measurements, load
+from calibration.readers import Measurements, load, shared_files
 from diffcost.gpus import FAMILY_CLUSTER, preset_family
 from diffcost.params import default_params
 from diffcost.validate import kendall_tau
@@ -47,20 +48,15 @@ def fresh_compilation_cache(prefix: str):
 
 def load_data(data_dir: Path) -> Measurements:
     """Every record ``build_problem`` can use, in the order its arrays will have."""
-    meas = load(
-        [
-            data_dir / "e2e" / "calibration.csv",
-            data_dir / "collectives" / "collectives.csv",
-            data_dir / "kernels" / "gemm.csv",
-        ]
-    )
+    meas = load(shared_files(data_dir))
     colls = [r for r in meas.collectives if r.cluster and r.collective in F.COLLECTIVES]
     gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in F.FIT_PRECISIONS]
-    return Measurements(e2e=list(meas.e2e), collectives=colls, gemms=gemms, skipped=meas.skipped)
+    return dataclasses.replace(meas, e2e=list(meas.e2e), collectives=colls, gemms=gemms)
 
 
 def subset(meas: Measurements, e2e=None, coll=None, gemm=None) -> Measurements:
-    """Records selected by boolean masks (None: all)."""
+    """E2E, collective and GEMM records selected by boolean masks (None: all); attention and
+    memory records are left out."""
     pick = lambda xs, m: list(xs) if m is None else [x for x, k in zip(xs, m) if k]  # noqa: E731
     return Measurements(
         e2e=pick(meas.e2e, e2e),

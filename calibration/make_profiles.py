@@ -21,7 +21,7 @@ import numpy as np
 
 from calibration import command
 from calibration import fit as fit_mod
-from calibration.readers import load
+from calibration.readers import load, shared_files
 from diffcost import profiles as prof
 from diffcost.cache import enable_compilation_cache
 
@@ -37,13 +37,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     enable_compilation_cache()
     data = Path(args.data)
-    files = [
-        data / "e2e" / "calibration.csv",
-        data / "collectives" / "collectives.csv",
-        data / "kernels" / "gemm.csv",
-        data / "kernels" / "b200_simumax_kernels.csv",
-        data / "collectives" / "b200_simumax_collective_fit.csv",
-    ]
+    files = shared_files(data)
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         print(f"missing data files: {', '.join(missing)}", file=sys.stderr)

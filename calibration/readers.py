@@ -443,3 +443,19 @@ def load(paths: Iterable[str | os.PathLike], cluster=None) -> Measurements:
                 )
             total = total + read_nccl_tests(f, cluster=cluster)
     return total
+
+
+# The files of the shared data set the shipped profiles and the calibration benchmarks fit, in
+# the order their records are loaded (``shared/data/README.md`` documents each).
+SHARED_FILES = (
+    "e2e/calibration.csv",
+    "collectives/collectives.csv",
+    "kernels/gemm.csv",
+    "kernels/b200_simumax_kernels.csv",
+    "collectives/b200_simumax_collective_fit.csv",
+)
+
+
+def shared_files(data_dir: str | os.PathLike) -> list[Path]:
+    """The paths of ``SHARED_FILES`` under a shared data folder."""
+    return [Path(data_dir) / name for name in SHARED_FILES]
