@@ -40,9 +40,13 @@ def _mape(resid: np.ndarray) -> float:
     return float(np.mean(np.abs(np.expm1(resid))) * 100) if resid.size else float("nan")
 
 
-def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> list[Path]:
+def write_layers(
+    result: fit_mod.FitResult, clusters: list[str], meta: dict, uncertainty: dict | None = None
+) -> list[Path]:
     """Write the fitted layers as the shipped profiles (``diffcost/configs/profiles/``): one
-    ``device-<family>.yaml`` per GPU family, one ``<cluster>.yaml`` per cluster."""
+    ``device-<family>.yaml`` per GPU family, one ``<cluster>.yaml`` per cluster; each with its
+    ``uncertainty`` block where ``uncertainty`` (``calibration.posterior.laplace``) has one."""
+    uncertainty = uncertainty or {}
     written = []
     for fam, values in result.device_values.items():
         written.append(
@@ -50,6 +54,7 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
                 prof.device_path(fam),
                 values,
                 {"layer": "device", "key": fam, "gpu_family": fam, **meta},
+                uncertainty.get(("device", fam)),
             )
         )
     for name in clusters:
@@ -59,6 +64,7 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
                     prof.cluster_path(name),
                     result.cluster_values[name],
                     {"layer": "cluster", "key": name, "gpu_family": cluster_family(name), **meta},
+                    uncertainty.get(("cluster", name)),
                 )
             )
     return written

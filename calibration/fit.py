@@ -100,6 +100,7 @@ class FitResult:
     converged: bool
     residuals: dict[str, np.ndarray]  # level -> log(pred / meas) at the end
     initial_residuals: dict[str, np.ndarray]  # the same at the starting constants
+    tables: tuple | None = None  # the final raw (device, cluster) tables, problem order
 
 
 def _leaves(fields):
@@ -481,6 +482,7 @@ def _fit(meas, cfg, progress, problem, start) -> FitResult:
         converged,
         residuals,
         resid(initial_logs if initial_logs is not None else logs),
+        tables,
     )
 
 

@@ -52,7 +52,14 @@ from calibration.records import (
     placement,
 )
 from diffcost.gpus import family_peak_flops, gpu_family
-from diffcost.runs import E2E_COLUMNS, E2E_FLOAT_COLUMNS, E2E_INT_COLUMNS, RowSkipped, row_to_specs
+from diffcost.runs import (
+    E2E_COLUMNS,
+    E2E_FLOAT_COLUMNS,
+    E2E_INT_COLUMNS,
+    RowSkipped,
+    row_to_specs,
+    stack_name,
+)
 
 __all__ = [
     "COLLECTIVES",
@@ -108,8 +115,9 @@ def read_e2e_csv(path) -> Measurements:
         except RowSkipped as e:
             out.skipped.append((where, str(e)))
             continue
+        stack = stack_name(row.get("framework", ""))
         record = E2ERecord(
-            model, plan, cluster, measured, row["source"], row_no, tuple(used), where
+            model, plan, cluster, measured, row["source"], row_no, tuple(used), where, stack
         )
         out.e2e.append(record)
     return out

@@ -103,6 +103,7 @@ class E2ERecord:
     row: int  # 1-based data row (line - 1 for files without multi-line cells)
     defaults: tuple[str, ...]  # values filled in because the source left them out
     where: Source
+    stack: str = ""  # software stack (``diffcost.runs.stack_name`` of the framework cell)
 
 
 def _as_set(value) -> set[str] | None:

@@ -118,6 +118,14 @@ def _framework_key(framework: str) -> str | None:
     return next((key for key in FRAMEWORK_DEFAULTS if key.lower() in framework.lower()), None)
 
 
+def stack_name(framework: str) -> str:
+    """The software stack of a run's ``framework`` cell (or of a ``--stack`` argument): the
+    ``FRAMEWORK_DEFAULTS`` key it names (``"NeMo (Megatron-Core)"`` -> ``"NeMo"``), else the
+    stripped cell itself; ``""`` when blank. Profiles record the stacks their runs used
+    (``diffcost.uncertainty``), and a prediction for another one is widened."""
+    return _framework_key(framework) or framework.strip()
+
+
 def _int(row, key) -> int | None:
     v = row.get(key, "").strip()
     return int(float(v)) if v else None

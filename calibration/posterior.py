@@ -1,0 +1,198 @@
+"""How sure the fit is: the Laplace posterior of the scalar constants and the model's spreads.
+
+``laplace`` turns a ``calibration.fit`` result into the ``uncertainty`` block of every profile
+(``diffcost.uncertainty``):
+
+* **Posterior.** The fit's loss is a weighted mean of robust penalties plus a weak prior; as a
+  negative log-likelihood, each measured row is one observation of ``log(pred / meas)`` with
+  the residual variance ``sigma_l^2`` of its level (``level_variances``), weighted by the
+  Cauchy penalty's IRLS weight ``1 / (1 + (r / delta)^2)`` at the optimum (a row far off the
+  fit informs the constants as little as it pulls on them), and every raw constant has a
+  Gaussian prior of width ``prior_sd`` around its default. Its Hessian in the Gauss-Newton
+  form, ``H = sum_l sum_i u_i J_i J_i^T / sigma_l^2 + diag(1 / prior_sd^2)``, is positive
+  definite; ``J_i`` is the row's ``d log pred / d raw`` over the scalar constants of its GPU
+  family and cluster (central differences of the float64 forward model; a row reads one row of
+  each table, so one difference per constant serves every family and cluster at once). Shape
+  grids are held at their fit. ``Sigma = H^-1``; a constant no row touches keeps its prior
+  width.
+* **Residual spread**: the within-source spread of the end-to-end log residuals, pooled over
+  (source, cluster) groups with every group weighing the same (``residual_sd``); per cluster
+  from its own groups, else its GPU family's, else all.
+* **Stack spread**: the root mean square of the groups' mean log residuals (``stack_sd``), the
+  between-source spread: how far a set of runs the constants were not fitted to is off as a
+  whole. Both are in-sample figures, lower bounds of what a held-out stack sees.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from calibration import fit as F
+from calibration.records import Measurements
+from diffcost.extrapolation import model_parameters
+from diffcost.gpus import cluster_family
+from diffcost.params import SCALAR_ENTRIES
+from diffcost.profiles import DEVICE_FIELDS
+from diffcost.uncertainty import COVERAGE_RANGES, to_block
+
+# (position in SCALAR_ENTRIES, name, leaf, index) of the device and of the other entries
+_ENTRIES = [
+    (k, n, c.leaf, i, c.name in DEVICE_FIELDS) for k, (n, c, i) in enumerate(SCALAR_ENTRIES)
+]
+DEV_ENTRIES = [e[:4] for e in _ENTRIES if e[4]]
+CLU_ENTRIES = [e[:4] for e in _ENTRIES if not e[4]]
+MIN_GROUP_ROWS = 3  # a group's mean residual enters the stack spread from this many rows
+FD_STEP = 1e-4  # central-difference step in raw units (float64)
+
+
+def _shift(tab: dict, leaf: str, index, delta: float) -> dict:
+    """``tab`` with ``delta`` added to entry ``index`` (None: the scalar) of every row."""
+    x = tab[leaf]
+    return {**tab, leaf: x + delta if index is None else x.at[:, index].add(delta)}
+
+
+def _float64(x):
+    return jnp.asarray(x, jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def row_jacobians(problem: F.Problem, tables, temperature: float) -> dict:
+    """Per level, ``(J_dev [rows, device entries], J_clu [rows, cluster entries])``: the
+    derivative of each row's log prediction w.r.t. the scalar constants of its own family and
+    cluster rows, by central differences of the float64 forward model."""
+    with jax.enable_x64(True):
+        data = jax.tree_util.tree_map(_float64, problem.data)
+        dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
+        run = jax.jit(lambda d, c, data: F.predict_log(d, c, data, temperature))
+        out = {level: ([], []) for level in data}
+        for side, entries in ((0, DEV_ENTRIES), (1, CLU_ENTRIES)):
+            for _, _, leaf, index in entries:
+                pair = [dev, clu]
+                pair[side] = _shift(pair[side], leaf, index, FD_STEP)
+                plus = run(*pair, data)
+                pair[side] = _shift(pair[side], leaf, index, -2 * FD_STEP)
+                minus = run(*pair, data)
+                for level in data:
+                    diff = np.asarray(plus[level] - minus[level], dtype=float)
+                    out[level][side].append(diff / (2 * FD_STEP))
+    return {level: tuple(np.stack(j, axis=1) for j in js) for level, js in out.items()}
+
+
+def group_stats(result: F.FitResult, meas: Measurements) -> dict:
+    """(source, cluster) -> (rows, mean log residual, within-group variance) of the e2e rows."""
+    resid = result.residuals.get("e2e", np.zeros(0))
+    groups = collections.defaultdict(list)
+    for r, rec in zip(resid, meas.e2e):
+        groups[(rec.source_name, rec.cluster.name)].append(float(r))
+    out = {}
+    for key, rs in groups.items():
+        rs = np.array(rs)
+        var = float(np.var(rs, ddof=1)) if rs.size > 1 else None
+        out[key] = (rs.size, float(rs.mean()), var)
+    return out
+
+
+def residual_sd(stats: dict, keep=lambda key: True) -> float | None:
+    """Within-group spread pooled over the groups ``keep`` accepts (each weighing the same);
+    None when none of them has two rows."""
+    v = [var for key, (_, _, var) in stats.items() if keep(key) and var is not None]
+    return float(np.sqrt(np.mean(v))) if v else None
+
+
+def stack_sd(stats: dict) -> float:
+    """Root mean square of the mean log residuals of groups with ``MIN_GROUP_ROWS`` rows."""
+    m = [mean for n, mean, _ in stats.values() if n >= MIN_GROUP_ROWS]
+    return float(np.sqrt(np.mean(np.square(m)))) if m else 0.0
+
+
+def level_variances(result: F.FitResult, problem: F.Problem, stats: dict) -> dict:
+    """Residual variance per level: e2e, the within-group plus between-group variance;
+    collectives and GEMMs, the mean squared log residual (collectives with the fit's octave
+    weights), each row weighted by its IRLS weight."""
+    out = {}
+    for level, r in result.residuals.items():
+        if level == "e2e":
+            out[level] = (residual_sd(stats) or 0.0) ** 2 + stack_sd(stats) ** 2
+        else:
+            w = np.asarray(problem.data[level].get("weight", np.ones_like(r)), dtype=float)
+            out[level] = float(np.sum(w * r**2) / np.sum(w))
+        out[level] = max(out[level], 1e-8)
+    return out
+
+
+def posterior_covariance(problem, result, jacobians, variances, delta: float) -> np.ndarray:
+    """``Sigma`` over the flat (family x device entry, then cluster x cluster entry) raw
+    constants: the inverse of the Gauss-Newton Hessian of the negative log-likelihood."""
+    nf, nc = len(problem.families), len(problem.clusters)
+    nd, ncl = len(DEV_ENTRIES), len(CLU_ENTRIES)
+    prior = [SCALAR_ENTRIES[k][1].prior_sd for k, *_ in DEV_ENTRIES] * nf
+    prior += [SCALAR_ENTRIES[k][1].prior_sd for k, *_ in CLU_ENTRIES] * nc
+    H = np.diag(1.0 / np.square(prior))
+    for level, (jd, jc) in jacobians.items():
+        r = result.residuals[level]
+        u = 1.0 / (1.0 + np.square(r / delta)) / variances[level]
+        d = np.asarray(problem.data[level]["d"])
+        c = np.asarray(problem.data[level]["c"])
+        full = np.zeros((r.size, nf * nd + nc * ncl))
+        rows = np.arange(r.size)[:, None]
+        full[rows, d[:, None] * nd + np.arange(nd)] = jd
+        full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc
+        H += full.T @ (u[:, None] * full)
+    return np.linalg.inv(0.5 * (H + H.T))
+
+
+def coverage(records) -> dict:
+    """A profile's ``coverage`` of end-to-end ``records`` (``diffcost.uncertainty.Coverage``)."""
+    out: dict = {"rows": len(records), "stacks": sorted({r.stack for r in records if r.stack})}
+    if records:
+        values = {
+            "n_gpus": [r.plan.n_gpus for r in records],
+            "model_params": [model_parameters(r.model) for r in records],
+            "seq_len": [r.model.seq_len for r in records],
+        }
+        for key in COVERAGE_RANGES:
+            out[key] = [float(f"{min(values[key]):.6g}"), float(f"{max(values[key]):.6g}")]
+    return out
+
+
+def laplace(problem: F.Problem, result: F.FitResult, meas: Measurements, cfg: F.FitConfig):
+    """The ``uncertainty`` block of every profile the fit writes.
+
+    Returns:
+        ``{("device", family) | ("cluster", name): block}`` (``diffcost.uncertainty.to_block``).
+    """
+    stats = group_stats(result, meas)
+    jac = row_jacobians(problem, result.tables, cfg.temperature)
+    sigma = posterior_covariance(
+        problem, result, jac, level_variances(result, problem, stats), cfg.huber_delta
+    )
+    nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
+    dev_names = [n for _, n, *_ in DEV_ENTRIES]
+    clu_names = [n for _, n, *_ in CLU_ENTRIES]
+    fam_of = {name: cluster_family(name) for name in problem.clusters}
+    everywhere = residual_sd(stats) or 0.0
+    spread = stack_sd(stats)
+    blocks = {}
+    for i, fam in enumerate(problem.families):
+        idx = np.arange(i * nd, (i + 1) * nd)
+        runs = [r for r in meas.e2e if fam_of.get(r.cluster.name) == fam]
+        res = residual_sd(stats, lambda key, fam=fam: fam_of.get(key[1]) == fam)
+        blocks[("device", fam)] = to_block(
+            dev_names, sigma[np.ix_(idx, idx)], res or everywhere, spread, coverage(runs)
+        )
+    for j, name in enumerate(problem.clusters):
+        fam = fam_of[name]
+        i = problem.families.index(fam) if fam in problem.families else None
+        own = np.arange(nf * nd + j * ncl, nf * nd + (j + 1) * ncl)
+        idx = own if i is None else np.concatenate([np.arange(i * nd, (i + 1) * nd), own])
+        names = clu_names if i is None else dev_names + clu_names
+        runs = [r for r in meas.e2e if r.cluster.name == name]
+        res = residual_sd(stats, lambda key, name=name: key[1] == name)
+        res = res or blocks.get(("device", fam), {}).get("residual_sd") or everywhere
+        blocks[("cluster", name)] = to_block(
+            names, sigma[np.ix_(idx, idx)], res, spread, coverage(runs)
+        )
+    return blocks
