@@ -59,8 +59,17 @@ def main(argv=None) -> int:
         "command": f"python -m calibration.make_profiles --steps {args.steps}",
     }
     t0 = time.perf_counter()
-    blocks = posterior.laplace(problem, result, meas, cfg)
-    print(f"Laplace posterior and spreads in {time.perf_counter() - t0:.1f} s")
+    blocks, spreads = posterior.laplace(problem, result, meas, cfg)
+    print(
+        f"Laplace posterior and spreads in {time.perf_counter() - t0:.1f} s: e2e residual sd "
+        f"{spreads['residual_sd']:.4f}, stack sd {spreads['stack_sd']:.4f} (groups held out; "
+        f"in sample {spreads['stack_sd_in_sample']:.4f})"
+    )
+    for (source, cluster), (rows, fitted, held) in spreads["group_means"].items():
+        print(
+            f"  {source} on {cluster}: {rows} runs, mean log residual {fitted:+.4f}, "
+            f"held out {held:+.4f}"
+        )
     paths = command.write_layers(result, problem.clusters, meta, blocks)
     for p in paths:
         print(f"wrote {p}")

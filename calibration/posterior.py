@@ -18,9 +18,11 @@
 * **Residual spread**: the within-source spread of the end-to-end log residuals, pooled over
   (source, cluster) groups with every group weighing the same (``residual_sd``); per cluster
   from its own groups, else its GPU family's, else all.
-* **Stack spread**: the root mean square of the groups' mean log residuals (``stack_sd``), the
-  between-source spread: how far a set of runs the constants were not fitted to is off as a
-  whole. Both are in-sample figures, lower bounds of what a held-out stack sees.
+* **Stack spread**: the root mean square of the (source, cluster) groups' mean log residuals
+  with their source held out (``held_out_residuals``: one Gauss-Newton step of the negative
+  log-likelihood without the source's rows), the between-source spread: how far a set of runs
+  the constants were not fitted to is off as a whole. The residual spread is in sample; both
+  are lower bounds of what a new stack sees (the shape grids keep what the source taught them).
 """
 
 from __future__ import annotations
@@ -81,15 +83,20 @@ def row_jacobians(problem: F.Problem, tables, temperature: float) -> dict:
     return {level: tuple(np.stack(j, axis=1) for j in js) for level, js in out.items()}
 
 
-def group_stats(result: F.FitResult, meas: Measurements) -> dict:
-    """(source, cluster) -> (rows, mean log residual, within-group variance) of the e2e rows."""
-    resid = result.residuals.get("e2e", np.zeros(0))
-    groups = collections.defaultdict(list)
-    for r, rec in zip(resid, meas.e2e):
-        groups[(rec.source_name, rec.cluster.name)].append(float(r))
+def groups(meas: Measurements, by_cluster: bool = True) -> dict:
+    """(source, cluster) (or, without ``by_cluster``, source) -> indices of its end-to-end rows
+    (in ``meas.e2e`` order)."""
+    out = collections.defaultdict(list)
+    for i, rec in enumerate(meas.e2e):
+        out[(rec.source_name, rec.cluster.name) if by_cluster else rec.source_name].append(i)
+    return {key: np.array(rows) for key, rows in out.items()}
+
+
+def group_stats(resid: np.ndarray, rows_of: dict) -> dict:
+    """(source, cluster) -> (rows, mean log residual, within-group variance or None)."""
     out = {}
-    for key, rs in groups.items():
-        rs = np.array(rs)
+    for key, rows in rows_of.items():
+        rs = resid[rows]
         var = float(np.var(rs, ddof=1)) if rs.size > 1 else None
         out[key] = (rs.size, float(rs.mean()), var)
     return out
@@ -109,9 +116,9 @@ def stack_sd(stats: dict) -> float:
 
 
 def level_variances(result: F.FitResult, problem: F.Problem, stats: dict) -> dict:
-    """Residual variance per level: e2e, the within-group plus between-group variance;
-    collectives and GEMMs, the mean squared log residual (collectives with the fit's octave
-    weights), each row weighted by its IRLS weight."""
+    """Residual variance per level: e2e, the within-group plus between-group variance (in
+    sample); collectives and GEMMs, the mean squared log residual (collectives with the fit's
+    octave weights)."""
     out = {}
     for level, r in result.residuals.items():
         if level == "e2e":
@@ -123,14 +130,21 @@ def level_variances(result: F.FitResult, problem: F.Problem, stats: dict) -> dic
     return out
 
 
-def posterior_covariance(problem, result, jacobians, variances, delta: float) -> np.ndarray:
-    """``Sigma`` over the flat (family x device entry, then cluster x cluster entry) raw
-    constants: the inverse of the Gauss-Newton Hessian of the negative log-likelihood."""
+def prior_widths(problem: F.Problem) -> np.ndarray:
+    """The prior sd of every raw constant in ``information``'s order."""
+    dev = [SCALAR_ENTRIES[k][1].prior_sd for k, *_ in DEV_ENTRIES] * len(problem.families)
+    clu = [SCALAR_ENTRIES[k][1].prior_sd for k, *_ in CLU_ENTRIES] * len(problem.clusters)
+    return np.array(dev + clu)
+
+
+def information(problem, result, jacobians, variances, delta: float):
+    """The Gauss-Newton Hessian ``H`` of the negative log-likelihood over the flat (family x
+    device entry, then cluster x cluster entry) raw constants, and per level the rows' design
+    matrix ``[rows, constants]``, weights ``u_i / sigma_l^2`` and log residuals."""
     nf, nc = len(problem.families), len(problem.clusters)
     nd, ncl = len(DEV_ENTRIES), len(CLU_ENTRIES)
-    prior = [SCALAR_ENTRIES[k][1].prior_sd for k, *_ in DEV_ENTRIES] * nf
-    prior += [SCALAR_ENTRIES[k][1].prior_sd for k, *_ in CLU_ENTRIES] * nc
-    H = np.diag(1.0 / np.square(prior))
+    H = np.diag(1.0 / np.square(prior_widths(problem)))
+    terms = {}
     for level, (jd, jc) in jacobians.items():
         r = result.residuals[level]
         u = 1.0 / (1.0 + np.square(r / delta)) / variances[level]
@@ -141,7 +155,38 @@ def posterior_covariance(problem, result, jacobians, variances, delta: float) ->
         full[rows, d[:, None] * nd + np.arange(nd)] = jd
         full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc
         H += full.T @ (u[:, None] * full)
-    return np.linalg.inv(0.5 * (H + H.T))
+        terms[level] = (full, u, r)
+    return 0.5 * (H + H.T), terms
+
+
+def flat_scalars(tables) -> np.ndarray:
+    """The raw scalar constants of (device, cluster) tables in ``information``'s order."""
+
+    def rows(tab, entries):
+        cols = [tab[leaf] if i is None else tab[leaf][:, i] for _, _, leaf, i in entries]
+        return np.stack([np.asarray(c) for c in cols], axis=1).ravel()
+
+    dev, clu = tables
+    return np.concatenate([rows(dev, DEV_ENTRIES), rows(clu, CLU_ENTRIES)]).astype(float)
+
+
+def held_out_residuals(resid, rows_of: dict, H, terms: dict, prior_grad) -> np.ndarray:
+    """Each group's e2e log residuals had the fit not seen that group (``rows_of``: group ->
+    its rows; ``laplace`` holds out whole sources, every cluster of one): one Gauss-Newton step
+    from the fit on the negative log-likelihood without the group's rows, ``theta' = theta -
+    (H - H_g)^-1 (grad - grad_g)``, and ``r_g' = r_g + J_g (theta' - theta)``. ``grad`` is the
+    whole gradient at the fit (every level's ``J^T U r`` plus ``prior_grad``), so constants only
+    the group informed go back toward their prior; the shape grids keep what the group taught
+    them (held fixed), so this is still a lower bound of what an unseen stack sees."""
+    grad = prior_grad + sum(full.T @ (u * r) for full, u, r in terms.values())
+    full, u, _ = terms["e2e"]
+    out = np.array(resid, dtype=float)
+    for rows in rows_of.values():
+        jg, ug, rg = full[rows], u[rows], resid[rows]
+        h_g = jg.T @ (ug[:, None] * jg)
+        step = -np.linalg.solve(H - h_g, grad - jg.T @ (ug * rg))
+        out[rows] = rg + jg @ step
+    return out
 
 
 def coverage(records) -> dict:
@@ -159,22 +204,44 @@ def coverage(records) -> dict:
 
 
 def laplace(problem: F.Problem, result: F.FitResult, meas: Measurements, cfg: F.FitConfig):
-    """The ``uncertainty`` block of every profile the fit writes.
+    """The ``uncertainty`` block of every profile the fit writes, and a summary.
 
     Returns:
-        ``{("device", family) | ("cluster", name): block}`` (``diffcost.uncertainty.to_block``).
+        ``({("device", family) | ("cluster", name): block}`` (``to_block``), ``{"residual_sd",
+        "stack_sd_in_sample", "stack_sd", "group_means": {(source, cluster): (rows, mean log
+        residual in sample, held out)}}``).
     """
-    stats = group_stats(result, meas)
+    rows_of = groups(meas)
+    resid = np.asarray(result.residuals.get("e2e", np.zeros(0)), dtype=float)
+    stats = group_stats(resid, rows_of)
     jac = row_jacobians(problem, result.tables, cfg.temperature)
-    sigma = posterior_covariance(
-        problem, result, jac, level_variances(result, problem, stats), cfg.huber_delta
-    )
+    variances = level_variances(result, problem, stats)
+    H, terms = information(problem, result, jac, variances, cfg.huber_delta)
+    sigma = np.linalg.inv(H)
+    held_stats = {}
+    if "e2e" in terms:
+        offset = flat_scalars(result.tables) - flat_scalars(F.initial_tables(problem))
+        by_source = groups(meas, by_cluster=False)
+        held = held_out_residuals(resid, by_source, H, terms, offset / prior_widths(problem) ** 2)
+        held_stats = group_stats(held, rows_of)
+    spread = stack_sd(held_stats)
+    summary = {
+        "residual_sd": residual_sd(stats) or 0.0,
+        "stack_sd_in_sample": stack_sd(stats),
+        "stack_sd": spread,
+        "group_means": {k: (n, stats[k][1], m) for k, (n, m, _) in held_stats.items()},
+    }
+    return _blocks(problem, meas, sigma, stats, spread), summary
+
+
+def _blocks(problem, meas, sigma, stats, spread) -> dict:
+    """Every profile's block: its constants' marginal of ``sigma``, its residual spread, the
+    stack spread and its runs' coverage."""
     nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
     dev_names = [n for _, n, *_ in DEV_ENTRIES]
     clu_names = [n for _, n, *_ in CLU_ENTRIES]
     fam_of = {name: cluster_family(name) for name in problem.clusters}
     everywhere = residual_sd(stats) or 0.0
-    spread = stack_sd(stats)
     blocks = {}
     for i, fam in enumerate(problem.families):
         idx = np.arange(i * nd, (i + 1) * nd)

@@ -138,7 +138,7 @@ def _number(value, where: str, lo: float = 0.0, strict: bool = False) -> float:
 def _list(value, where: str, n: int | None = None) -> list:
     if not isinstance(value, list) or (n is not None and len(value) != n):
         size = f" of {n} entries" if n is not None else ""
-        raise UncertaintyError(f"{where}: expected a list{size}, got {value!r:.60}")
+        raise UncertaintyError(f"{where}: expected a list{size}, got {str(value)[:60]}")
     return value
 
 
@@ -162,7 +162,8 @@ def parse_coverage(value, where: str) -> Coverage:
             if rows:
                 raise UncertaintyError(f"{where}.{key}: missing ([lowest, highest] of the runs)")
             continue
-        lo, hi = (_number(x, f"{where}.{key}", strict=True) for x in _list(value[key], key, 2))
+        pair = _list(value[key], f"{where}.{key}", 2)
+        lo, hi = (_number(x, f"{where}.{key}", strict=True) for x in pair)
         if lo > hi:
             raise UncertaintyError(f"{where}.{key}=[{lo:g}, {hi:g}]: lowest above highest")
         ranges[key] = (lo, hi)
@@ -171,8 +172,12 @@ def parse_coverage(value, where: str) -> Coverage:
 
 def _correlation(value, n: int, where: str) -> np.ndarray:
     rows = _list(value, f"{where}.correlation", n)
-    corr = np.array([[_number(x, f"{where}.correlation", -1.0) for x in _list(r, "row", n)]
-                     for r in rows])  # fmt: skip
+    corr = np.array(
+        [
+            [_number(x, f"{where}.correlation[{i}]", -1.0) for x in _list(r, f"{where}.row", n)]
+            for i, r in enumerate(rows)
+        ]
+    )
     if n and (np.abs(corr).max() > 1.0 or np.abs(np.diag(corr) - 1.0).max() > CORRELATION_TOL):
         raise UncertaintyError(
             f"{where}.correlation: entries must lie in [-1, 1] with 1 on the diagonal"
@@ -209,7 +214,8 @@ def parse_block(block, where: str) -> dict:
             )
     if len(set(names)) != len(names):
         raise UncertaintyError(f"{where}.constants: a constant is named twice")
-    sd = np.array([_number(x, f"{where}.sd", strict=True) for x in _list(block["sd"], "sd")])
+    sd = [_number(x, f"{where}.sd", strict=True) for x in _list(block["sd"], f"{where}.sd")]
+    sd = np.array(sd)
     if sd.size != len(names):
         raise UncertaintyError(f"{where}.sd: {sd.size} entries for {len(names)} constants")
     corr = _correlation(block["correlation"], len(names), where)

@@ -50,7 +50,15 @@ def register(subparsers) -> None:
     Args:
         subparsers: what ``ArgumentParser.add_subparsers`` returned.
     """
-    p = subparsers.add_parser("predict", help="predict one model + cluster + plan")
+    p = subparsers.add_parser(
+        "predict",
+        help="predict one model + cluster + plan",
+        description="Predict the iteration time (with its 80% interval: the calibration "
+        "posterior of the cluster's profile propagated by the Jacobian, the model's residual "
+        "spread and, for a --stack without runs in the profile, the stack spread), the time "
+        "and memory breakdown, and warnings where the prediction extrapolates beyond the "
+        "profile's runs (GPU family, stack, scale, constants at datasheet defaults).",
+    )
     common.add_experiment_arguments(p, required=False)
     common.add_json_argument(p)
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto timeline")

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     v = subparsers.add_parser(
         "validate",
         help="compare predictions with measured runs (CSV)",
-        description="Predict every row of a measured-runs CSV with its 80%% interval (the "
+        description="Predict every row of a measured-runs CSV with its 80% interval (the "
         "profile's calibration posterior, residual spread and, for a framework without runs "
         "in the profile's fit, stack spread); report MAPE, Kendall tau, the share of rows "
         "inside their interval (coverage) and the median interval width per source.",
