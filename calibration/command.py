@@ -23,6 +23,7 @@ import numpy as np
 from rich.console import Console
 
 from calibration import fit as fit_mod
+from calibration import posterior
 from calibration.readers import load
 from calibration.records import Measurements
 from diffcost import profiles as prof
@@ -197,8 +198,11 @@ def _measurements(args) -> tuple[Measurements, Measurements]:
     return everything, meas
 
 
-def _write_profiles(args, paths: dict, result: fit_mod.FitResult, start_notes: dict) -> list:
-    """Write one profile per calibrated cluster with fitted constants; the paths written."""
+def _write_profiles(
+    args, paths: dict, result: fit_mod.FitResult, start_notes: dict, blocks: dict
+) -> list:
+    """Write one profile per calibrated cluster with fitted constants and its ``uncertainty``
+    block (``blocks``, ``calibration.posterior.laplace``); the paths written."""
     written = []
     for name, path in paths.items():
         if name not in result.cluster_values:
@@ -211,7 +215,8 @@ def _write_profiles(args, paths: dict, result: fit_mod.FitResult, start_notes: d
             "started_from": start_notes[name],
             "command": "diffcost calibrate",
         }
-        written.append(prof.write_profile(path, fitted_values(result, name), meta))
+        block = blocks.get(("cluster", name))
+        written.append(prof.write_profile(path, fitted_values(result, name), meta, block))
     return written
 
 
@@ -322,7 +327,8 @@ def run(args) -> int:
         start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
     cfg = fit_mod.FitConfig(steps=args.steps)
     result = fit_mod.fit(meas, cfg, not args.json, problem, start)
-    written = _write_profiles(args, paths, result, start_notes)
+    blocks, _ = posterior.laplace(problem, result, meas, cfg, start)
+    written = _write_profiles(args, paths, result, start_notes, blocks)
     summary = _summary(args, meas, result, start, start_notes, written)
     if args.json:
         print_json(summary)

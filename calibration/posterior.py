@@ -203,8 +203,16 @@ def coverage(records) -> dict:
     return out
 
 
-def laplace(problem: F.Problem, result: F.FitResult, meas: Measurements, cfg: F.FitConfig):
-    """The ``uncertainty`` block of every profile the fit writes, and a summary.
+def laplace(
+    problem: F.Problem,
+    result: F.FitResult,
+    meas: Measurements,
+    cfg: F.FitConfig,
+    start: dict | None = None,
+):
+    """The ``uncertainty`` block of every profile the fit writes, and a summary. ``start``: the
+    fit's starting constants (``calibration.fit.fit``), where its prior is centred; the prior
+    keeps its registry widths there (a starting profile's own posterior is not carried over).
 
     Returns:
         ``({("device", family) | ("cluster", name): block}`` (``to_block``), ``{"residual_sd",
@@ -220,7 +228,7 @@ def laplace(problem: F.Problem, result: F.FitResult, meas: Measurements, cfg: F.
     sigma = np.linalg.inv(H)
     held_stats = {}
     if "e2e" in terms:
-        offset = flat_scalars(result.tables) - flat_scalars(F.initial_tables(problem))
+        offset = flat_scalars(result.tables) - flat_scalars(F.initial_tables(problem, start=start))
         by_source = groups(meas, by_cluster=False)
         held = held_out_residuals(resid, by_source, H, terms, offset / prior_widths(problem) ** 2)
         held_stats = group_stats(held, rows_of)

@@ -188,3 +188,17 @@ def test_laplace_narrows_what_the_data_touch_and_keeps_the_prior_elsewhere():
     for name in ("optimizer_bytes_per_param", "host_op_s", "gemm_eff.bf16"):  # untouched
         assert sd[name] == pytest.approx(prior[name], rel=1e-4)
     assert parsed["coverage"].rows == 0 and spreads["stack_sd"] == 0.0
+
+
+def test_calibrate_writes_a_posterior_block_its_predictions_read(tmp_path, capsys):
+    from diffcost import cli
+
+    log = Path(__file__).parent / "data" / "readers_nccl_all_reduce.txt"
+    out = tmp_path / "fitted.yaml"
+    argv = ["calibrate", "--cluster", "dgx-h100", str(log), "--out", str(out), "--steps", "60"]
+    assert cli.main([*argv, "--json"]) == 0
+    capsys.readouterr()
+    unc = prof.uncertainty_for(load_cluster("dgx-h100"), out)
+    k = SCALAR_NAMES.index("nvlink_eff")
+    assert unc.sd[k] < unc_mod.PRIOR_SD[k]  # the all-reduce log informs NVLink
+    assert unc.cluster.rows == 0  # no end-to-end runs in the files
