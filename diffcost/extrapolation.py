@@ -93,7 +93,7 @@ def warnings(
     prediction lies within the data its profile was fitted on."""
     family = gpu_family(exp.cluster.gpu.name)
     out = []
-    if unc.device is None or not unc.device.rows:
+    if not any(runs is not None and runs.rows for runs in (unc.device, unc.cluster)):
         out.append(
             f"no end-to-end runs of {family} GPUs in the profile's fit: kernel and layer "
             "constants are not checked against measured iterations"

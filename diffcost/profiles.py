@@ -43,6 +43,7 @@ from diffcost.uncertainty import (
     Uncertainty,
     UncertaintyError,
     apply_block,
+    at_prior_unless,
     parse_block,
     prior_uncertainty,
 )
@@ -326,7 +327,8 @@ def _uncertainty_block(unc: Uncertainty, path: Path, doc: dict, layer: str) -> U
 def uncertainty_for(cluster: ClusterSpec, profile: str | os.PathLike | None = None) -> Uncertainty:
     """The ``Uncertainty`` of predictions on ``cluster`` with the constants ``params_for``
     gives for the same ``profile``: prior widths, then the device file's posterior block, then
-    the cluster file's (which covers the device constants too, with their correlations).
+    the cluster file's (which covers the device constants too, with their correlations);
+    constants no file gives values for stay at their prior widths.
 
     Raises:
         ProfileError: a profile file that cannot be read, or whose ``uncertainty`` block is
@@ -339,14 +341,17 @@ def uncertainty_for(cluster: ClusterSpec, profile: str | os.PathLike | None = No
         path = Path(profile)
         doc = _read(path)
         layer = "device" if doc.get("layer") == "device" else "cluster"
-        return _uncertainty_block(unc, path, doc, layer)
+        return at_prior_unless(_uncertainty_block(unc, path, doc, layer), set(doc["constants"]))
+    applied: set = set()
     for layer, path in (
         ("device", device_path(gpu_family(cluster.gpu.name))),
         ("cluster", cluster_path(cluster.name)),
     ):
         if path.exists():
-            unc = _uncertainty_block(unc, path, _read(path), layer)
-    return unc
+            doc = _read(path)
+            unc = _uncertainty_block(unc, path, doc, layer)
+            applied |= set(doc["constants"])
+    return at_prior_unless(unc, applied)
 
 
 def defaults_table() -> dict:

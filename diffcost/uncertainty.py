@@ -262,6 +262,19 @@ def apply_block(unc: Uncertainty, parsed: dict, layer: str, note: str) -> Uncert
     )
 
 
+def at_prior_unless(unc: Uncertainty, constants) -> Uncertainty:
+    """``unc`` with every entry whose constant is not in ``constants`` (names of
+    ``diffcost.params.CONSTANTS``: those a profile gave values for) back at its prior width,
+    uncorrelated: a posterior says nothing about a constant left at its default."""
+    cov = np.array(unc.cov, dtype=float)
+    for k, (_, c, _) in enumerate(SCALAR_ENTRIES):
+        if c.name not in constants:
+            cov[k, :] = 0.0
+            cov[:, k] = 0.0
+            cov[k, k] = PRIOR_SD[k] ** 2
+    return unc.replace(cov=cov)
+
+
 # ---- propagation ----------------------------------------------------------------------------
 
 

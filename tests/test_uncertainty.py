@@ -44,7 +44,8 @@ def _random_block(names, seed=0):
 def _write(tmp_path, block, name="p.yaml"):
     path = tmp_path / name
     meta = {"layer": "cluster", "key": CLUSTER, "gpu_family": "a100"}
-    return prof.write_profile(path, {"nvlink_eff": 0.8}, meta, block)
+    values = {"gemm_eff": {"bf16": 0.8}, "attn_eff": 0.7, "host_op_s": 15e-6, "nvlink_eff": 0.8}
+    return prof.write_profile(path, values, meta, block)
 
 
 def test_posterior_round_trips_through_the_profile_yaml(tmp_path):
@@ -202,3 +203,14 @@ def test_calibrate_writes_a_posterior_block_its_predictions_read(tmp_path, capsy
     k = SCALAR_NAMES.index("nvlink_eff")
     assert unc.sd[k] < unc_mod.PRIOR_SD[k]  # the all-reduce log informs NVLink
     assert unc.cluster.rows == 0  # no end-to-end runs in the files
+
+
+def test_constants_a_profile_file_leaves_at_defaults_keep_their_prior_width():
+    cluster = load_cluster(CLUSTER)
+    layered = prof.uncertainty_for(cluster)
+    alone = prof.uncertainty_for(cluster, prof.cluster_path(CLUSTER))  # no device constants
+    k, j = SCALAR_NAMES.index("gemm_eff.bf16"), SCALAR_NAMES.index("host_op_s")
+    assert layered.sd[k] < 0.5 * unc_mod.PRIOR_SD[k]
+    assert alone.sd[k] == pytest.approx(unc_mod.PRIOR_SD[k])
+    assert alone.sd[j] == pytest.approx(layered.sd[j])
+    assert np.count_nonzero(alone.cov[k]) == 1
