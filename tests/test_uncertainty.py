@@ -214,3 +214,19 @@ def test_constants_a_profile_file_leaves_at_defaults_keep_their_prior_width():
     assert alone.sd[k] == pytest.approx(unc_mod.PRIOR_SD[k])
     assert alone.sd[j] == pytest.approx(layered.sd[j])
     assert np.count_nonzero(alone.cov[k]) == 1
+
+
+def test_predict_cli_prints_the_interval_and_the_warnings(capsys):
+    import json
+
+    from diffcost import cli
+
+    assert cli.main(["predict", EXAMPLE, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["iteration_s_low"] < d["iteration_s"] < d["iteration_s_high"]
+    assert d["warnings"] == [] and d["interval"]["stack_seen"]
+    assert cli.main(["predict", EXAMPLE, "--stack", "torchtitan"]) == 0
+    text = capsys.readouterr().out
+    low = f"{d['iteration_s_low']:.3g}"
+    assert f"{d['iteration_s']:.4g} s (" in text and "warning: software stack 'torchtitan'" in text
+    assert f"({low}–" not in text  # the unseen stack widened it
