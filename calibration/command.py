@@ -25,6 +25,7 @@ import yaml
 from rich.console import Console
 
 from calibration import fit as fit_mod
+from calibration import posterior
 from calibration.readers import load
 from calibration.records import Measurements
 from diffcost import profiles as prof
@@ -43,9 +44,13 @@ def _mape(resid: np.ndarray) -> float:
     return float(np.mean(np.abs(np.expm1(resid))) * 100) if resid.size else float("nan")
 
 
-def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> list[Path]:
+def write_layers(
+    result: fit_mod.FitResult, clusters: list[str], meta: dict, uncertainty: dict | None = None
+) -> list[Path]:
     """Write the fitted layers as the shipped profiles (``diffcost/configs/profiles/``): one
-    ``device-<family>.yaml`` per GPU family, one ``<cluster>.yaml`` per cluster."""
+    ``device-<family>.yaml`` per GPU family, one ``<cluster>.yaml`` per cluster; each with its
+    ``uncertainty`` block where ``uncertainty`` (``calibration.posterior.laplace``) has one."""
+    uncertainty = uncertainty or {}
     written = []
     for fam, values in result.device_values.items():
         written.append(
@@ -53,6 +58,7 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
                 prof.device_path(fam),
                 values,
                 {"layer": "device", "key": fam, "gpu_family": fam, **meta},
+                uncertainty.get(("device", fam)),
             )
         )
     for name in clusters:
@@ -62,6 +68,7 @@ def write_layers(result: fit_mod.FitResult, clusters: list[str], meta: dict) -> 
                     prof.cluster_path(name),
                     result.cluster_values[name],
                     {"layer": "cluster", "key": name, "gpu_family": cluster_family(name), **meta},
+                    uncertainty.get(("cluster", name)),
                 )
             )
     return written
@@ -224,8 +231,11 @@ def _measurements(args) -> tuple[Measurements, Measurements]:
     return everything, meas
 
 
-def _write_profiles(args, paths: dict, result: fit_mod.FitResult, start_notes: dict) -> list:
-    """Write one profile per calibrated cluster with fitted constants; the paths written."""
+def _write_profiles(
+    args, paths: dict, result: fit_mod.FitResult, start_notes: dict, blocks: dict
+) -> list:
+    """Write one profile per calibrated cluster with fitted constants and its ``uncertainty``
+    block (``blocks``, ``calibration.posterior.laplace``); the paths written."""
     written = []
     for name, path in paths.items():
         if name not in result.cluster_values:
@@ -238,7 +248,8 @@ def _write_profiles(args, paths: dict, result: fit_mod.FitResult, start_notes: d
             "started_from": start_notes[name],
             "command": "diffcost calibrate",
         }
-        written.append(prof.write_profile(path, fitted_values(result, name), meta))
+        block = blocks.get(("cluster", name))
+        written.append(prof.write_profile(path, fitted_values(result, name), meta, block))
     return written
 
 
@@ -351,7 +362,8 @@ def run(args) -> int:
     # (the profile written has no stack offsets to apply).
     cfg = fit_mod.FitConfig(steps=args.steps, stacks=False)
     result = fit_mod.fit(meas, cfg, not args.json, problem, start)
-    written = _write_profiles(args, paths, result, start_notes)
+    blocks, _ = posterior.laplace(problem, result, meas, cfg, start)
+    written = _write_profiles(args, paths, result, start_notes, blocks)
     summary = _summary(args, meas, result, start, start_notes, written)
     if args.json:
         print_json(summary)

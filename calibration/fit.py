@@ -118,6 +118,7 @@ class FitResult:
     initial_residuals: dict[str, np.ndarray]  # the same at the starting constants
     # stack -> {constant name: raw offset} of the stacks some weighted e2e row runs
     stack_values: dict[str, dict] = dataclasses.field(default_factory=dict)
+    tables: tuple | None = None  # the final raw (device, cluster) tables, problem order
 
 
 def _leaves(fields):
@@ -529,6 +530,7 @@ def _fit(meas, cfg, progress, problem, start, init) -> FitResult:
         residuals,
         resid(initial_logs if initial_logs is not None else logs),
         _stack_values(clu, problem),
+        tables,
     )
 
 

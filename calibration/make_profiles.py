@@ -5,21 +5,24 @@
 One joint fit over every end-to-end run, collective table, GEMM table and SimuMax node
 description (kernel table and collective fit, ``calibration.simumax``) that maps to a cluster
 preset: device constants per GPU family (shared by every cluster with that GPU), cluster
-constants per cluster. Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, and
-``population.yaml``: the cluster constants averaged over the clusters with end-to-end runs, which
-a cluster without a profile of its own gets, and ``stack-<name>.yaml``: the offsets of each
-software stack with runs (``diffcost.stacks``). Prints the before/after error per level.
+constants per cluster. Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, each with
+its ``uncertainty`` block (``calibration.posterior.laplace``: the Laplace posterior of its scalar
+constants, the residual and stack spreads, the runs it was fitted on); ``population.yaml``, the
+cluster constants averaged over the clusters with end-to-end runs, which a cluster without a
+profile of its own gets; and ``stack-<name>.yaml``, the offsets of each software stack with runs
+(``diffcost.stacks``). Prints the before/after error per level.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-from calibration import command
+from calibration import command, posterior
 from calibration import fit as fit_mod
 from calibration.readers import load, shared_files
 from diffcost import profiles as prof
@@ -62,7 +65,19 @@ def main(argv=None) -> int:
         "fitted_on": [str(f) for f in files],
         "command": f"python -m calibration.make_profiles --steps {args.steps}",
     }
-    paths = command.write_layers(result, problem.clusters, meta)
+    t0 = time.perf_counter()
+    blocks, spreads = posterior.laplace(problem, result, meas, cfg)
+    print(
+        f"Laplace posterior and spreads in {time.perf_counter() - t0:.1f} s: e2e residual sd "
+        f"{spreads['residual_sd']:.4f}, stack sd {spreads['stack_sd']:.4f} (groups held out; "
+        f"in sample {spreads['stack_sd_in_sample']:.4f})"
+    )
+    for (source, cluster), (rows, fitted, held) in spreads["group_means"].items():
+        print(
+            f"  {source} on {cluster}: {rows} runs, mean log residual {fitted:+.4f}, "
+            f"held out {held:+.4f}"
+        )
+    paths = command.write_layers(result, problem.clusters, meta, blocks)
     for name, offsets in result.stack_values.items():
         meta_s = {"layer": "stack", "key": name, **meta}
         paths.append(command.write_stack(prof.stack_path(name), offsets, meta_s))
@@ -72,6 +87,7 @@ def main(argv=None) -> int:
             prof.population_path(),
             command.population_values(result, with_runs),
             {"layer": "population", "key": prof.POPULATION, "mean_of": with_runs, **meta},
+            posterior.population_block(result, with_runs, spreads),
         )
     )
     for p in paths:

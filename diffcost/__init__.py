@@ -1,6 +1,7 @@
 """diffcost: differentiable prediction of distributed training time and memory."""
 
 from diffcost.api import experiment_arrays, load, predict, simulate_jit
+from diffcost.interval import Prediction, predict_interval
 from diffcost.params import Params, default_params
 from diffcost.search import optimize
 from diffcost.simulate import Breakdown, simulate
@@ -8,11 +9,13 @@ from diffcost.simulate import Breakdown, simulate
 __all__ = [
     "Breakdown",
     "Params",
+    "Prediction",
     "default_params",
     "experiment_arrays",
     "load",
     "optimize",
     "predict",
+    "predict_interval",
     "simulate",
     "simulate_jit",
 ]

@@ -62,7 +62,8 @@ def predict(
 ) -> Breakdown:
     """Predict one experiment; returns a ``Breakdown`` of numpy scalars/arrays.
 
-    ``params`` overrides ``profile`` (see ``params_for``).
+    ``params`` overrides ``profile`` (see ``params_for``). ``diffcost.predict_interval`` returns
+    the same prediction with its 80% interval and extrapolation warnings.
     """
     exp = load(config, overrides)
     params = params_for(exp, profile)[0] if params is None else params

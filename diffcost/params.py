@@ -282,3 +282,20 @@ def default_params(dtype=None) -> Params:
     and a jit-compiled step would then compile a second time.
     """
     return Params(**{c.leaf: raw_default(c, dtype) for c in CONSTANTS})
+
+
+def scalar_entries() -> tuple[tuple[str, Constant, int | None], ...]:
+    """(entry name, constant, index) of every scalar a calibration posterior describes: each
+    constant with a scalar leaf (index None), and each entry of a per-precision one
+    (``"gemm_eff.bf16"``, its index in ``PRECISIONS``). Shape grids are left out."""
+    out = []
+    for c in CONSTANTS:
+        if c.shape == ():
+            out.append((c.name, c, None))
+        elif c.shape == PER_PRECISION:
+            out.extend((f"{c.name}.{p}", c, i) for i, p in enumerate(PRECISIONS))
+    return tuple(out)
+
+
+SCALAR_ENTRIES = scalar_entries()
+SCALAR_NAMES = tuple(name for name, _, _ in SCALAR_ENTRIES)

@@ -40,8 +40,17 @@ from diffcost.params import (
 )
 from diffcost.specs import PRECISIONS, ClusterSpec
 from diffcost.stacks import EFFECT_BY_NAME, apply_stack
+from diffcost.uncertainty import (
+    Uncertainty,
+    UncertaintyError,
+    apply_block,
+    at_prior_unless,
+    parse_block,
+    prior_uncertainty,
+)
 
 PROFILES_DIR = config.PACKAGE_CONFIGS / "profiles"
+UNCERTAINTY_KEY = "uncertainty"  # a profile's posterior block (diffcost.uncertainty)
 
 # field name in a profile -> (raw leaf, transform): "log" or "logit"
 FIELDS = {c.name: (c.leaf, c.transform) for c in CONSTANTS}
@@ -345,14 +354,61 @@ def params_for(
     return params, f"{note}; {stack_note}"
 
 
-def write_profile(path: Path, values: dict, meta: dict) -> Path:
-    """Write constrained ``values`` with provenance ``meta`` as a profile file."""
+def write_profile(path: Path, values: dict, meta: dict, uncertainty: dict | None = None) -> Path:
+    """Write constrained ``values`` with provenance ``meta`` as a profile file, and its
+    ``uncertainty`` block (``diffcost.uncertainty.to_block``) when given."""
     doc = {**meta, "written": datetime.date.today().isoformat(), "constants": values}
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fh.write(f"# diffcost calibrated profile: {meta.get('layer', '')} {meta.get('key', '')}\n")
         yaml.safe_dump(doc, fh, sort_keys=False)
+        if uncertainty is not None:  # lists of numbers on one line each
+            block = {UNCERTAINTY_KEY: uncertainty}
+            yaml.safe_dump(block, fh, sort_keys=False, default_flow_style=None, width=100)
     return path
+
+
+def _uncertainty_block(unc: Uncertainty, path: Path, doc: dict, layer: str) -> Uncertainty:
+    """``unc`` with the ``uncertainty`` block of the profile ``doc`` read from ``path`` applied
+    (``layer``: what its coverage describes); ``unc`` itself when the file has none."""
+    if UNCERTAINTY_KEY not in doc:
+        return unc
+    try:
+        parsed = parse_block(doc[UNCERTAINTY_KEY], str(path))
+    except UncertaintyError as e:
+        raise ProfileError(str(e)) from None
+    note = f"{unc.note} + {path.name}" if unc.note.endswith(".yaml") else f"posterior {path.name}"
+    return apply_block(unc, parsed, layer, note)
+
+
+def uncertainty_for(cluster: ClusterSpec, profile: str | os.PathLike | None = None) -> Uncertainty:
+    """The ``Uncertainty`` of predictions on ``cluster`` with the constants ``params_for``
+    gives for the same ``profile``: prior widths, then the device file's posterior block, then
+    the cluster file's (which covers the device constants too, with their correlations);
+    constants no file gives values for stay at their prior widths.
+
+    Raises:
+        ProfileError: a profile file that cannot be read, or whose ``uncertainty`` block is
+            malformed (``diffcost.uncertainty.UncertaintyError``).
+    """
+    unc = prior_uncertainty()
+    if profile is not None and str(profile) == "none":
+        return unc
+    if profile is not None:
+        path = Path(profile)
+        doc = _read(path)
+        layer = "device" if doc.get("layer") == "device" else "cluster"
+        return at_prior_unless(_uncertainty_block(unc, path, doc, layer), set(doc["constants"]))
+    applied: set = set()
+    own = cluster_path(cluster.name)
+    if not own.exists() and population_path().exists():
+        own = population_path()  # as params_for: the population's constants and spread
+    for layer, path in (("device", device_path(gpu_family(cluster.gpu.name))), ("cluster", own)):
+        if path.exists():
+            doc = _read(path)
+            unc = _uncertainty_block(unc, path, doc, layer)
+            applied |= set(doc["constants"])
+    return at_prior_unless(unc, applied)
 
 
 def defaults_table() -> dict:

@@ -75,6 +75,16 @@ def stack_of(framework: str | None) -> str | None:
     return next((s.name for s in STACKS for f in s.frameworks if f.lower() in text), None)
 
 
+def canonical(text: str | None) -> str | None:
+    """A stack as a user or a run names it: a ``STACK_NAMES`` name as it is, a framework
+    (``"NeMo"``, ``"torchtitan"``) as its stack, anything else stripped (a stack no profile
+    knows); None when blank."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    return text if text in STACK_NAMES else stack_of(text) or text
+
+
 def apply_stack(params: Params, offsets: Mapping[str, object]) -> Params:
     """``params`` with each ``{leaf: raw offset}`` added to its leaf (a scalar offset shifts
     every precision of a per-precision leaf)."""

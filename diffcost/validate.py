@@ -19,10 +19,11 @@ import numpy as np
 
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params
-from diffcost.profiles import ProfileMismatch, params_for
+from diffcost.profiles import ProfileMismatch, params_for, uncertainty_for
 from diffcost.runs import RowSkipped, read_rows, row_to_specs
-from diffcost.simulate import simulate
+from diffcost.simulate import STATUS_NAMES
 from diffcost.stacks import stack_of
+from diffcost.uncertainty import log_time_jacobians, spread
 
 
 @dataclasses.dataclass
@@ -33,15 +34,12 @@ class RowResult:
     cluster: str
     measured_iter_s: float | None
     predicted_iter_s: float | None = None
+    predicted_iter_s_low: float | None = None  # the 80% interval (diffcost.uncertainty)
+    predicted_iter_s_high: float | None = None
     ape_pct: float | None = None
     status: str | None = None
     skipped: str | None = None
     defaults: list[str] = dataclasses.field(default_factory=list)
-
-
-@jax.jit
-def _simulate_batch(models, plans, clusters, params):
-    return jax.vmap(simulate)(models, plans, clusters, params)
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
@@ -58,6 +56,20 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
     return float(concordant / denom) if denom else None
 
 
+def interval_stats(results: list[RowResult]) -> dict:
+    """``coverage_pct`` (share of the rows with an interval whose measurement lies inside it)
+    and ``median_width_pct`` (median of ``(high - low) / predicted``, %); None without rows."""
+    rows = [r for r in results if r.predicted_iter_s_low is not None and r.ape_pct is not None]
+    if not rows:
+        return {"coverage_pct": None, "median_width_pct": None}
+    inside = [r.predicted_iter_s_low <= r.measured_iter_s <= r.predicted_iter_s_high for r in rows]
+    widths = [(r.predicted_iter_s_high - r.predicted_iter_s_low) / r.predicted_iter_s for r in rows]
+    return {
+        "coverage_pct": 100.0 * float(np.mean(inside)),
+        "median_width_pct": 100.0 * float(np.median(widths)),
+    }
+
+
 def _summary(results: list[RowResult]) -> dict:
     done = [r for r in results if r.ape_pct is not None]
     apes = [r.ape_pct for r in done]
@@ -70,20 +82,37 @@ def _summary(results: list[RowResult]) -> dict:
         "kendall_tau": kendall_tau(
             [r.measured_iter_s for r in done], [r.predicted_iter_s for r in done]
         ),
+        **interval_stats(done),
     }
 
 
 def _cluster_params(cluster, params: Params | None, profile, software: str | None):
-    """(cluster arrays, Params, note) for a cluster's rows of one software stack; (None, None,
-    reason) when the profile file given was fitted on another GPU family, whose rows are then
-    skipped."""
+    """(cluster arrays, Params, note, Uncertainty or None) for a cluster's rows of one software
+    stack; (None, None, reason, None) when the profile file given was fitted on another GPU
+    family, whose rows are then skipped. Params given by the caller have no posterior: no
+    interval."""
     if params is not None:
-        return cluster_arrays(cluster), params, "parameters given by the caller"
+        return cluster_arrays(cluster), params, "parameters given by the caller", None
     try:
         cparams, note = params_for(cluster, profile, stack=software)
     except ProfileMismatch as e:
-        return None, None, f"not predicted: {e.reason}"
-    return cluster_arrays(cluster), cparams, note
+        return None, None, f"not predicted: {e.reason}", None
+    return cluster_arrays(cluster), cparams, note, uncertainty_for(cluster, profile)
+
+
+def _predict_batch(batch: list) -> None:
+    """Predict ``batch`` ((RowResult, model, plan, cluster arrays, Params, Uncertainty, stack)
+    per row) in one vmapped call, filling each row's prediction, interval and error."""
+    stacked = [stack([b[k] for b in batch]) for k in range(1, 5)]
+    out, jac = jax.tree_util.tree_map(np.asarray, log_time_jacobians(*stacked))
+    for j, (r, *_rest, unc, run_stack) in enumerate(batch):
+        pred = float(out.iteration_s[j])
+        r.predicted_iter_s = pred
+        r.status = STATUS_NAMES[int(out.status[j])]
+        r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
+        if unc is not None:
+            s = spread(jac[j], unc, unc.stack_seen(run_stack))
+            r.predicted_iter_s_low, r.predicted_iter_s_high = s.interval(pred)
 
 
 def validate(path: str | os.PathLike, params: Params | None = None, profile=None) -> dict:
@@ -92,13 +121,18 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     Returns:
         ``{"summary": {...}, "by_source": {name: {...}}, "rows": [...]}`` with the keys
         documented in the README (``rows``, ``predicted``, ``skipped``, ``mape_pct``,
-        ``max_ape_pct``, ``kendall_tau``), and ``profiles``: cluster (and software stack, from
-        the row's ``framework``: ``diffcost.stacks``) -> which calibrated layers were used.
-        ``params`` (one set for every row) overrides ``profile``; ``profile`` is None for each
-        cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a profile
-        file. Rows with a blank or non-positive ``measured_iter_s`` are skipped (their
-        ``skipped`` says why) and count in no error figure, and so are rows on a cluster of
-        another GPU family than a given profile file's.
+        ``max_ape_pct``, ``kendall_tau``; ``coverage_pct`` and ``median_width_pct`` of the
+        rows' 80% intervals, ``interval_stats``), and ``profiles``: cluster (and software
+        stack, from the row's ``framework``: ``diffcost.stacks``) -> which calibrated layers
+        were used. ``params`` (one set for every row) overrides
+        ``profile``; ``profile`` is None for each cluster's default calibrated profile,
+        ``"none"`` for datasheet defaults, or a profile file. Rows with a blank or
+        non-positive ``measured_iter_s`` are skipped (their ``skipped`` says why) and count
+        in no error figure, and so are rows on a cluster of another GPU family than a given
+        profile file's. Each predicted row has its 80% interval (``predicted_iter_s_low``,
+        ``predicted_iter_s_high``; ``diffcost.uncertainty``, with the stack spread when the
+        row's ``framework`` has no runs in its profile's fit), except with ``params`` (no
+        posterior: None).
 
     Raises:
         ValueError: the file is not a readable end-to-end CSV (see :func:`read_rows`).
@@ -130,30 +164,17 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
             r.skipped = str(e)
             continue
         r.defaults = used
-        software = stack_of(row.get("framework"))
-        key = cluster.name if software is None else f"{cluster.name} / {software}"
+        run_stack = stack_of(row.get("framework"))
+        key = cluster.name if run_stack is None else f"{cluster.name} / {run_stack}"
         if key not in cluster_cache:
-            cluster_cache[key] = _cluster_params(cluster, params, profile, software)
-        carr, cparams, note = cluster_cache[key]
+            cluster_cache[key] = _cluster_params(cluster, params, profile, run_stack)
+        carr, cparams, note, unc = cluster_cache[key]
         if carr is None:  # the profile file is another GPU's
             r.skipped = note
             continue
-        batch.append((r, model_arrays(model), plan_arrays(plan), carr, cparams))
+        batch.append((r, model_arrays(model), plan_arrays(plan), carr, cparams, unc, run_stack))
     if batch:
-        models = stack([b[1] for b in batch])
-        plans = stack([b[2] for b in batch])
-        clusters = stack([b[3] for b in batch])
-        row_params = stack([b[4] for b in batch])
-        out = jax.tree_util.tree_map(
-            np.asarray, _simulate_batch(models, plans, clusters, row_params)
-        )
-        from diffcost.simulate import STATUS_NAMES
-
-        for j, (r, *_rest) in enumerate(batch):
-            pred = float(out.iteration_s[j])
-            r.predicted_iter_s = pred
-            r.status = STATUS_NAMES[int(out.status[j])]
-            r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
+        _predict_batch(batch)
     by_source: dict[str, list[RowResult]] = {}
     for r in results:
         by_source.setdefault(r.source, []).append(r)

@@ -24,7 +24,7 @@ TRUE_OVERHEAD_S = 30e-6
 RECOVERY_REL = 0.03
 
 
-def _synthetic_collectives():
+def synthetic_collectives():
     """All-reduce times on 2-8 GPUs, 64 KiB - 1 GiB, made by the model with known constants."""
     params = prof.apply_values(
         default_params(),
@@ -57,7 +57,7 @@ def _synthetic_collectives():
 
 
 def test_fit_recovers_known_constants():
-    meas = _synthetic_collectives()
+    meas = synthetic_collectives()
     cfg = fit_mod.FitConfig(steps=400, prior_weight=1e-7, huber_delta=0.05, tol=-1.0)
     result = fit_mod.fit(meas, cfg, progress=False)
     values = result.cluster_values[CLUSTER]
@@ -71,14 +71,14 @@ def test_every_calibrated_constant_has_a_prior_width():
     assert set(fit_mod.PRIOR_SD) == set(prof.FIELDS)
     assert all(sd > 0 for sd in fit_mod.PRIOR_SD.values())
     # the prior's curvature is 2 prior_weight / width^2 per raw constant
-    problem = fit_mod.build_problem(_synthetic_collectives())
+    problem = fit_mod.build_problem(synthetic_collectives())
     cfg = fit_mod.FitConfig()
     dev, clu = fit_mod.prior_curvature(problem, cfg)
     assert float(clu["nic_eff_logit"][0]) == pytest.approx(2 * cfg.prior_weight / 0.7**2)
 
 
 def test_fit_step_compiles_once_and_reports_initial_residuals():
-    meas = _synthetic_collectives()
+    meas = synthetic_collectives()
     problem = fit_mod.build_problem(meas)
     cfg = fit_mod.FitConfig(steps=3, tol=-1.0)
     step, opt = fit_mod.make_step(problem, cfg)
@@ -101,7 +101,7 @@ def test_fit_step_compiles_once_and_reports_initial_residuals():
 
 
 def test_prior_holds_constants_the_data_cannot_see():
-    meas = _synthetic_collectives()
+    meas = synthetic_collectives()
     result = fit_mod.fit(meas, fit_mod.FitConfig(steps=100), progress=False)
     defaults = prof.to_values(default_params())
     # collectives say nothing about the optimizer or the host: they stay at the defaults
@@ -178,7 +178,7 @@ def test_assemble_gathers_layers():
 
 
 def test_fit_from_a_profile_keeps_what_the_data_cannot_see():
-    meas = _synthetic_collectives()
+    meas = synthetic_collectives()
     problem = fit_mod.build_problem(meas)
     start = prof.apply_values(
         default_params(), {"optimizer_bytes_per_param": 12.0, "mem_eff": 0.5, "nvlink_eff": 0.9}
@@ -397,7 +397,7 @@ def test_moved_ranks_constants_by_their_move_in_prior_widths():
 def test_found_names_what_the_files_hold():
     from calibration.command import _found
 
-    meas = _synthetic_collectives()
+    meas = synthetic_collectives()
     assert _found(meas) == f"{CLUSTER} ({len(meas.collectives)})"
     assert _found(Measurements()) == "no usable rows"
 
@@ -406,7 +406,7 @@ def test_a_level_with_few_rows_weighs_less_against_the_prior():
     """24 synthetic all-reduce rows: at full weight (full_rows=1) the fit moves the link
     efficiency most of the way to the truth; counted as 24 of 2,400 rows it stays nearer
     the datasheet, since the same data now carry a hundredth of the weight."""
-    meas = _synthetic_collectives()
+    meas = synthetic_collectives()
     default = prof.to_values(default_params())["nvlink_eff"]
     moved = {}
     for full_rows in (1, 2400):
@@ -470,7 +470,7 @@ def _corrupt(meas, fraction, factor, seed=0):
 def test_redescending_penalty_resists_gross_outliers():
     """10% of the rows 3x too slow: Huber's capped pull still drags the fitted constants; the
     Cauchy end of the blend lets the fit return to the clean constants."""
-    meas = _corrupt(_synthetic_collectives(), 0.1, 3.0)
+    meas = _corrupt(synthetic_collectives(), 0.1, 3.0)
     base = dict(steps=400, prior_weight=1e-7, huber_delta=0.05, tol=-1.0)
     errors = {}
     for name, redescend in (("huber", (1.0, 1.0)), ("redescending", (0.3, 0.6))):

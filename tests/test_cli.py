@@ -125,6 +125,8 @@ def test_validate_reports_rows_sources_and_skips():
         "mape_pct",
         "max_ape_pct",
         "kendall_tau",
+        "coverage_pct",
+        "median_width_pct",
     }
 
 

@@ -7,6 +7,7 @@ The tables (``print_prediction``) and the JSON object (``breakdown_dict``) are s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -16,9 +17,11 @@ from diffcost import api, trace
 from diffcost import config as config_mod
 from diffcost.arrays import GiB
 from diffcost.cli import common
+from diffcost.interval import predict_interval
 from diffcost.megatron_args import parse_megatron_args
 from diffcost.simulate import STATUS_NAMES, Breakdown, time_part
 from diffcost.specs import Experiment
+from diffcost.stacks import STACK_NAMES, canonical
 
 PART_LABELS = {
     "compute_s": "compute",
@@ -49,7 +52,15 @@ def register(subparsers) -> None:
     Args:
         subparsers: what ``ArgumentParser.add_subparsers`` returned.
     """
-    p = subparsers.add_parser("predict", help="predict one model + cluster + plan")
+    p = subparsers.add_parser(
+        "predict",
+        help="predict one model + cluster + plan",
+        description="Predict the iteration time (with its 80% interval: the calibration "
+        "posterior of the cluster's profile propagated by the Jacobian, the model's residual "
+        "spread and, for a --stack without runs in the profile, the stack spread), the time "
+        "and memory breakdown, and warnings where the prediction extrapolates beyond the "
+        "profile's runs (GPU family, stack, scale, constants at datasheet defaults).",
+    )
     common.add_experiment_arguments(p, required=False)
     common.add_json_argument(p)
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto timeline")
@@ -59,6 +70,14 @@ def register(subparsers) -> None:
     p.add_argument("--cluster", help="cluster preset (with --megatron-args)")
     p.add_argument("--gpus", type=int, help="GPU count (with --megatron-args)")
     common.add_profile_argument(p)
+    p.add_argument(
+        "--stack",
+        metavar="NAME",
+        help="software stack of the run: " + ", ".join(STACK_NAMES) + ", or a framework "
+        "(NeMo, Megatron-DeepSpeed, torchtitan, ...); default: the config's 'stack', else the "
+        "stack the profile was fitted on. A known stack's calibrated offsets apply; a stack "
+        "without end-to-end runs in the profile widens the 80%% interval and adds a warning",
+    )
     p.set_defaults(func=run)
 
 
@@ -134,9 +153,12 @@ def print_prediction(exp: Experiment, d: dict) -> None:
         f"zero={p.zero} recompute={p.recompute} mb={p.microbatch} gb={p.global_batch} "
         f"schedule={p.schedule}" + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
     )
+    interval = ""
+    if d.get("iteration_s_low") is not None:
+        interval = f" ({d['iteration_s_low']:.3g}–{d['iteration_s_high']:.3g})"
     console.print(
-        f"iteration [bold]{d['iteration_s']:.4g} s[/]   tokens/s {d['tokens_per_s']:.4g}   "
-        f"MFU {100 * d['mfu']:.1f}%"
+        f"iteration [bold]{d['iteration_s']:.4g} s[/]{interval}   tokens/s "
+        f"{d['tokens_per_s']:.4g}   MFU {100 * d['mfu']:.1f}%"
     )
     times = [
         (PART_LABELS[key], f"{value:.4g}", f"{100 * value / d['iteration_s']:.1f}%")
@@ -170,8 +192,22 @@ def run(args: argparse.Namespace) -> int:
         diffcost.profiles.ProfileError: a bad ``--profile``.
     """
     exp = _experiment(args)
+    if canonical(args.stack) in STACK_NAMES:
+        exp = dataclasses.replace(exp, stack=canonical(args.stack))
     params, note = api.params_for(exp, args.profile)
-    d = breakdown_dict(exp, api.predict(exp, params=params))
+    pred = predict_interval(exp, profile=args.profile, stack=args.stack, params=params)
+    d = breakdown_dict(exp, pred.breakdown)
+    d["iteration_s_low"], d["iteration_s_high"] = pred.low_s, pred.high_s
+    d["interval"] = {
+        "level": 0.8,
+        "log_sd": pred.spread.log_sd,
+        "posterior_sd": pred.spread.posterior_sd,
+        "residual_sd": pred.spread.residual_sd,
+        "stack_sd": pred.spread.stack_sd,
+        "stack": pred.stack,
+        "stack_seen": pred.stack_seen,
+    }
+    d["warnings"] = list(pred.warnings)
     d["profile"] = note
     if args.trace:
         trace.write_experiment_trace(args.trace, exp, params)
@@ -181,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_prediction(exp, d)
     print(f"constants: {note}")
+    for warning in d["warnings"]:
+        print(f"warning: {warning}")
     if args.trace:
         print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
     return 0

@@ -9,8 +9,27 @@ from rich.console import Console
 from diffcost.cli import common
 from diffcost.validate import validate
 
-SUMMARY_COLUMNS = ("source", "rows", "predicted", "skipped", "MAPE %", "max APE %", "Kendall tau")
-ROW_COLUMNS = ("row", "source", "model", "measured s", "predicted s", "APE %", "defaults")
+SUMMARY_COLUMNS = (
+    "source",
+    "rows",
+    "predicted",
+    "skipped",
+    "MAPE %",
+    "max APE %",
+    "Kendall tau",
+    "in 80% %",
+    "width %",
+)
+ROW_COLUMNS = (
+    "row",
+    "source",
+    "model",
+    "measured s",
+    "predicted s",
+    "80% interval",
+    "APE %",
+    "defaults",
+)
 
 
 def register(subparsers) -> None:
@@ -19,7 +38,14 @@ def register(subparsers) -> None:
     Args:
         subparsers: what ``ArgumentParser.add_subparsers`` returned.
     """
-    v = subparsers.add_parser("validate", help="compare predictions with measured runs (CSV)")
+    v = subparsers.add_parser(
+        "validate",
+        help="compare predictions with measured runs (CSV)",
+        description="Predict every row of a measured-runs CSV with its 80% interval (the "
+        "profile's calibration posterior, residual spread and, for a framework without runs "
+        "in the profile's fit, stack spread); report MAPE, Kendall tau, the share of rows "
+        "inside their interval (coverage) and the median interval width per source.",
+    )
     v.add_argument("csv", help="CSV in the schema of shared/data/README.md")
     common.add_json_argument(v)
     v.add_argument("--rows", action="store_true", help="print every row")
@@ -43,9 +69,18 @@ def _summary_rows(out: dict) -> list[tuple[str, ...]]:
             _fmt(s["mape_pct"], ".1f"),
             _fmt(s["max_ape_pct"], ".1f"),
             _fmt(s["kendall_tau"], ".3f"),
+            _fmt(s["coverage_pct"], ".0f"),
+            _fmt(s["median_width_pct"], ".1f"),
         )
         for name, s in [*out["by_source"].items(), ("all", out["summary"])]
     ]
+
+
+def _interval(row: dict) -> str:
+    """``low–high`` of a row's 80% interval, or ``-`` without one."""
+    if row["predicted_iter_s_low"] is None:
+        return "-"
+    return f"{row['predicted_iter_s_low']:.4g}–{row['predicted_iter_s_high']:.4g}"
 
 
 def _predicted_rows(out: dict) -> list[tuple[str, ...]]:
@@ -57,6 +92,7 @@ def _predicted_rows(out: dict) -> list[tuple[str, ...]]:
             r["model"],
             f"{r['measured_iter_s']:.4g}",
             f"{r['predicted_iter_s']:.4g}",
+            _interval(r),
             _fmt(r["ape_pct"], ".1f"),
             "; ".join(r["defaults"]),
         )
