@@ -3,8 +3,14 @@
 Blank cells mean "the source did not say". They are filled with the defaults a practitioner
 would assume for that framework (``diffcost.runs.row_to_specs`` and its
 ``FRAMEWORK_DEFAULTS``), and every filled value is reported per row. Rows that still cannot be
-represented, and rows without a positive measured time, are listed with the reason, never
-dropped silently or counted in the errors.
+represented, and rows with neither a positive measured time nor a measured peak memory, are
+listed with the reason, never dropped silently or counted in the errors.
+
+Each error figure counts the rows that have its measurement: the time figures the rows with a
+positive ``measured_iter_s``, the memory figures the rows with ``measured_peak_mem_gib`` (peak
+memory allocated per GPU, ``torch.cuda.max_memory_allocated``, GiB), which is compared with
+``Breakdown.memory_allocated_bytes``. A row with a memory measurement and no usable time is
+predicted for memory only.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from diffcost.profiles import ProfileMismatch, params_for
 from diffcost.runs import RowSkipped, read_rows, row_to_specs
 from diffcost.simulate import simulate
 
+GIB = 2.0**30
+
 
 @dataclasses.dataclass
 class RowResult:
@@ -36,6 +44,9 @@ class RowResult:
     status: str | None = None
     skipped: str | None = None
     defaults: list[str] = dataclasses.field(default_factory=list)
+    measured_peak_mem_gib: float | None = None
+    predicted_peak_mem_gib: float | None = None
+    mem_ape_pct: float | None = None
 
 
 @jax.jit
@@ -60,16 +71,35 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
 def _summary(results: list[RowResult]) -> dict:
     done = [r for r in results if r.ape_pct is not None]
     apes = [r.ape_pct for r in done]
+    mem_apes = [r.mem_ape_pct for r in results if r.mem_ape_pct is not None]
+    predicted = sum(r.skipped is None for r in results)
     return {
         "rows": len(results),
-        "predicted": len(done),
-        "skipped": len(results) - len(done),
+        "predicted": predicted,
+        "skipped": len(results) - predicted,
         "mape_pct": float(np.mean(apes)) if apes else None,
         "max_ape_pct": float(np.max(apes)) if apes else None,
         "kendall_tau": kendall_tau(
             [r.measured_iter_s for r in done], [r.predicted_iter_s for r in done]
         ),
+        "time_rows": len(apes),
+        "mem_rows": len(mem_apes),
+        "mem_mape_pct": float(np.mean(mem_apes)) if mem_apes else None,
+        "mem_max_ape_pct": float(np.max(mem_apes)) if mem_apes else None,
     }
+
+
+def _ape_pct(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured * 100.0
+
+
+def _no_time(r: RowResult, cell: str) -> str | None:
+    """Why the row's time counts in no error figure, or None for a positive time."""
+    if r.measured_iter_s is None:
+        return "measured_iter_s blank"
+    if r.measured_iter_s <= 0:
+        return f"measured_iter_s {cell} is not a positive time"
+    return None
 
 
 def _cluster_params(cluster, params: Params | None, profile):
@@ -90,12 +120,15 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     Returns:
         ``{"summary": {...}, "by_source": {name: {...}}, "rows": [...]}`` with the keys
         documented in the README (``rows``, ``predicted``, ``skipped``, ``mape_pct``,
-        ``max_ape_pct``, ``kendall_tau``), and ``profiles``: cluster -> which calibrated layers
-        were used. ``params`` (one set for every row) overrides ``profile``; ``profile`` is None
-        for each cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a
-        profile file. Rows with a blank or non-positive ``measured_iter_s`` are skipped (their
-        ``skipped`` says why) and count in no error figure, and so are rows on a cluster of
-        another GPU family than a given profile file's.
+        ``max_ape_pct``, ``kendall_tau`` over the ``time_rows`` with a positive measured time;
+        ``mem_mape_pct``, ``mem_max_ape_pct`` over the ``mem_rows`` with a measured peak
+        memory), and ``profiles``: cluster -> which calibrated layers were used. ``params``
+        (one set for every row) overrides ``profile``; ``profile`` is None for each cluster's
+        default calibrated profile, ``"none"`` for datasheet defaults, or a profile file. Rows
+        with neither a positive ``measured_iter_s`` nor a ``measured_peak_mem_gib`` are skipped
+        (their ``skipped`` says why) and count in no error figure, and so are rows on a cluster
+        of another GPU family than a given profile file's. Every predicted row has
+        ``predicted_peak_mem_gib``; rows with a measured peak have ``mem_ape_pct``.
 
     Raises:
         ValueError: the file is not a readable end-to-end CSV (see :func:`read_rows`).
@@ -106,20 +139,18 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     cache: dict = {}
     cluster_cache: dict = {}
     for i, row in enumerate(rows, start=1):
-        measured = row["measured_iter_s"]
+        measured, mem = row["measured_iter_s"], row.get("measured_peak_mem_gib", "")
         r = RowResult(
             row=i,
             source=row["source"],
             model=row["model"],
             cluster=row["cluster"],
             measured_iter_s=float(measured) if measured else None,
+            measured_peak_mem_gib=float(mem) if mem else None,
         )
         results.append(r)
-        if r.measured_iter_s is None:
-            r.skipped = "measured_iter_s blank"
-            continue
-        if r.measured_iter_s <= 0:
-            r.skipped = f"measured_iter_s {measured} is not a positive time"
+        if (why := _no_time(r, measured)) and r.measured_peak_mem_gib is None:
+            r.skipped = why
             continue
         try:
             model, plan, cluster, used = row_to_specs(row, cache)
@@ -145,10 +176,13 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
         from diffcost.simulate import STATUS_NAMES
 
         for j, (r, *_rest) in enumerate(batch):
-            pred = float(out.iteration_s[j])
-            r.predicted_iter_s = pred
+            r.predicted_iter_s = float(out.iteration_s[j])
             r.status = STATUS_NAMES[int(out.status[j])]
-            r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
+            if _no_time(r, "") is None:
+                r.ape_pct = _ape_pct(r.predicted_iter_s, r.measured_iter_s)
+            r.predicted_peak_mem_gib = float(out.memory_allocated_bytes[j]) / GIB
+            if r.measured_peak_mem_gib is not None:
+                r.mem_ape_pct = _ape_pct(r.predicted_peak_mem_gib, r.measured_peak_mem_gib)
     by_source: dict[str, list[RowResult]] = {}
     for r in results:
         by_source.setdefault(r.source, []).append(r)

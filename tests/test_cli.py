@@ -125,6 +125,10 @@ def test_validate_reports_rows_sources_and_skips():
         "mape_pct",
         "max_ape_pct",
         "kendall_tau",
+        "time_rows",
+        "mem_rows",
+        "mem_mape_pct",
+        "mem_max_ape_pct",
     }
 
 
