@@ -180,6 +180,9 @@ def _model_spec(row: dict, shape: dict, cluster: ClusterSpec, fw: FrameworkDefau
         raise RowSkipped(f"precision {precision} has no peak on {cluster.name} (has: {have})")
     llama = "llama" in lname
     untied = llama or "nemotron" in lname  # Nemotron: separate output matrix, no biases
+    # Llama and Nemotron recipes train without dropout, and so do MPT's (llm-foundry's config
+    # defaults: resid, attention and embedding dropout 0)
+    dropout = not (untied or "mpt" in lname)
     used.append(f"attention={fw.attention}")
     return ModelSpec(
         name=name,
@@ -196,6 +199,7 @@ def _model_spec(row: dict, shape: dict, cluster: ClusterSpec, fw: FrameworkDefau
         bias=not (untied or "mpt" in lname),
         precision=precision,
         attention=fw.attention,
+        dropout=dropout,
     )
 
 
