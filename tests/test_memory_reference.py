@@ -194,6 +194,29 @@ def test_interleaved_in_flight_matches_megatrons_memory_penalty():
     assert _in_flight(plan, p - 1) == pytest.approx(p - (p - 1) / v)
 
 
+def _held_peak(order, v: int) -> float:
+    """Most chunk activations held at once in a rank's task order, in stage-loads."""
+    held = peak = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak / v
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("p, m, v", [(2, 8, 4), (4, 4, 3), (4, 8, 2), (4, 8, 5), (8, 16, 3)])
+def test_in_flight_closed_forms_match_the_exact_task_order(name, p, m, v):
+    """The memory model's microbatches in flight on the first and the last rank equal the
+    peak of forwards not yet matched by their backward in each schedule's exact order."""
+    from diffcost.schedules import REGISTRY
+
+    schedule = REGISTRY[name]
+    v = v if schedule.interleaved else 1
+    first, last = schedule.in_flight_fn(float(p), float(m), float(v), 0.0)
+    exact = [_held_peak(schedule.order_fn(s, p, m, v), v) for s in (0, p - 1)]
+    np.testing.assert_allclose([float(first), float(last)], exact, rtol=1e-12)
+
+
 def _table() -> None:
     gib = 2.0**30
     print(
