@@ -241,10 +241,13 @@ def memory(model, plan, cluster, temperature, work=None):
       this part over ``dp`` and neither of the others (its documented 6 + 12/d bytes per
       parameter with bf16 weights and fp32 gradients, 18 without it); ZeRO-2 also shards the
       gradients and ZeRO-3 (FSDP) the weights, keeping two gathered layers (the current one
-      and the prefetched one). With 16-bit main gradients Megatron's optimizer copies them to
-      fp32 for the step (its table's 20 and 4 + 16/d bytes): that copy lives after the
-      activations are freed and is left out. FSDP's sharded fp32 parameters double as master
-      weights, so that path over-counts by its 16-bit shard, ``2 / dp`` per parameter;
+      and the prefetched one). Context-parallel ranks hold the same parameters, so the shards
+      span ``dp * cp`` ranks (Megatron-Core's data-parallel group with context parallelism,
+      FSDP2's flattened ``dp_shard_cp`` mesh); expert parameters span ``dp / ep * cp``. With
+      16-bit main gradients Megatron's optimizer copies them to fp32 for the step (its table's
+      20 and 4 + 16/d bytes): that copy lives after the activations are freed and is left
+      out. FSDP's sharded fp32 parameters double as master weights, so that path over-counts
+      by its 16-bit shard, ``2 / dp`` per parameter;
     * activations: ``workload.layer_work(...).activation_bytes`` per layer and microbatch
       (Korthikanti et al. 2022, Table 2) times the layers of a stage and the microbatches the
       schedule keeps in flight at the stage's peak (``schedules``: ``min(p, m)`` on the first
@@ -274,11 +277,13 @@ def memory(model, plan, cluster, temperature, work=None):
     dense_stage = layers * dense_p + jnp.stack([emb + head_first, head_last])
     expert_stage = layers * expert_p * jnp.ones(2)
     z = plan.zero
-    edp = plan.dp / plan.ep
+    # the data-parallel ranks of every cp rank hold replicas: ZeRO shards over dp * cp
+    dp_cp, edp_cp = plan.dp * plan.cp, plan.dp / plan.ep * plan.cp
 
-    def sharded(stage_from):  # divide by dp from ZeRO stage `stage_from` on
+    def sharded(stage_from):  # divide by dp * cp from ZeRO stage `stage_from` on
         on = jnp.sum(z[stage_from:])
-        return dense_stage / (1.0 + on * (plan.dp - 1.0)) + expert_stage / (1.0 + on * (edp - 1.0))
+        dense = dense_stage / (1.0 + on * (dp_cp - 1.0))
+        return dense + expert_stage / (1.0 + on * (edp_cp - 1.0))
 
     weights = WEIGHT_BYTES * sharded(3)
     grad_b = grad_bytes(plan)

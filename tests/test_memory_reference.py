@@ -66,6 +66,10 @@ CONFIGS = {
         LLAMA3_8B,
         PlanSpec(dp=8, zero=1, microbatch=1, global_batch=128),
     ),
+    "llama3-8b tp1 pp1 cp2 dp4 distopt": (
+        LLAMA3_8B,
+        PlanSpec(cp=2, dp=4, zero=1, microbatch=1, global_batch=128),
+    ),
     "llama3-70b tp4 pp4 v5 dp8 SP distopt": (
         LLAMA3_70B,
         PlanSpec(
@@ -111,17 +115,19 @@ def _stage_params(m: ModelSpec, p: PlanSpec) -> np.ndarray:
 
 
 def _bytes_per_param(p: PlanSpec) -> float:
-    return 6.0 + 12.0 / p.dp if p.zero == 1 else 18.0
+    """The distributed optimizer shards over the data-parallel group with context parallelism
+    (Megatron-Core ``get_data_parallel_group(with_context_parallel=True)``)."""
+    return 6.0 + 12.0 / (p.dp * p.cp) if p.zero == 1 else 18.0
 
 
 def _layer_activations(m: ModelSpec, p: PlanSpec, mode: str) -> float:
     """Bytes one layer keeps for backward per microbatch."""
-    s, b, h, a, t = m.seq_len, p.microbatch, m.hidden, m.heads, p.tp
+    s, b, h, a, t = m.seq_len // p.cp, p.microbatch, m.hidden, m.heads, p.tp
     sp = p.sequence_parallel and t > 1
     if mode == "full":
         return 2 * s * b * h / (t if sp else 1)
     if m.mlp == "gelu":  # Korthikanti et al. Table 2
-        scores = 5 * a * s / h if mode == "none" else 0.0
+        scores = 5 * a * m.seq_len / h if mode == "none" else 0.0
         if sp:
             return s * b * h * (34 + scores) / t
         return s * b * h * (10 + 24 / t + scores / t)
@@ -146,7 +152,7 @@ def _in_flight(p: PlanSpec, rank: int) -> float:
 def reference_stage_bytes(m: ModelSpec, p: PlanSpec) -> np.ndarray:
     """Bytes one GPU of the first and of the last stage allocates at its peak."""
     static = _stage_params(m, p) * _bytes_per_param(p)
-    s, b, t = m.seq_len, p.microbatch, p.tp
+    s, b, t = m.seq_len // p.cp, p.microbatch, p.tp
     layers = m.n_layers / p.pp
     kept = _layer_activations(m, p, p.recompute)
     held = np.array([_in_flight(p, 0), _in_flight(p, p.pp - 1)])
