@@ -19,7 +19,7 @@ simulates event by event):
    all-gather, and a fixed per-iteration overhead.
 
 Memory per stage (``memory``): 16-bit weights, fp32 gradients, fp32 master weights and two Adam
-moments, each divided by ``dp`` from the ZeRO stage that shards it; activations of the
+moments, each divided by ``dp * cp`` from the ZeRO stage that shards it; activations of the
 microbatches in flight; the logits on the last stage; communication buffers; a fixed runtime
 reserve. ``tests/test_memory_reference.py`` checks it against an independent calculation of
 what Megatron-Core allocates.
