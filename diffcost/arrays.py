@@ -41,6 +41,7 @@ class ModelArrays:
     flash: jax.Array  # 1: fused attention (flash or cudnn)
     flash2: jax.Array  # 1: FlashAttention-2
     precision: jax.Array  # [n_precisions] one-hot: which peak the GEMMs run at
+    dropout: jax.Array  # 1: dropout masks are kept for backward
 
 
 @struct.dataclass
@@ -131,6 +132,7 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
         flash=f(1.0 if model.flash_attention else 0.0),
         flash2=f(1.0 if model.attention == "flash" else 0.0),
         precision=_choice(specs.PRECISIONS, model.precision, f),
+        dropout=f(1.0 if model.dropout else 0.0),
     )
 
 

@@ -33,6 +33,8 @@ _VALUE_FLAGS = {
     "--moe-router-topk": "top_k",
     "--moe-expert-capacity-factor": "capacity_factor",
     "--fp8-format": "fp8",
+    "--hidden-dropout": "hidden_dropout",
+    "--attention-dropout": "attention_dropout",
 }
 _SWITCH_FLAGS = {
     "--sequence-parallel": "sp",
@@ -140,6 +142,8 @@ def _model(flags: _Flags, name: str) -> ModelSpec:
         else None,
         # Megatron-Core runs TE's cuDNN attention unless told to use the flash-attn package.
         attention="flash" if "flash" in switches else "cudnn",
+        # Megatron's dropout defaults are 0.1; masks are kept unless both rates are 0
+        dropout=any(num(k, 0.1, float) > 0 for k in ("hidden_dropout", "attention_dropout")),
     )
 
 

@@ -110,7 +110,14 @@ E2E_INT_COLUMNS = (
     "global_batch",
     "interleave_chunks",
 )
-E2E_FLOAT_COLUMNS = ("measured_iter_s", "measured_tflops_per_gpu", "peer_predicted_iter_s")
+E2E_FLOAT_COLUMNS = (
+    "measured_iter_s",
+    "measured_tflops_per_gpu",
+    "peer_predicted_iter_s",
+    "measured_peak_mem_gib",
+)
+# Optional columns whose non-blank cells must be positive (a memory peak of 0 is no measurement).
+E2E_POSITIVE_COLUMNS = ("measured_peak_mem_gib",)
 
 
 def _framework_key(framework: str) -> str | None:
@@ -173,6 +180,9 @@ def _model_spec(row: dict, shape: dict, cluster: ClusterSpec, fw: FrameworkDefau
         raise RowSkipped(f"precision {precision} has no peak on {cluster.name} (has: {have})")
     llama = "llama" in lname
     untied = llama or "nemotron" in lname  # Nemotron: separate output matrix, no biases
+    # Llama and Nemotron recipes train without dropout, and so do MPT's (llm-foundry's config
+    # defaults: resid, attention and embedding dropout 0)
+    dropout = not (untied or "mpt" in lname)
     used.append(f"attention={fw.attention}")
     return ModelSpec(
         name=name,
@@ -189,6 +199,7 @@ def _model_spec(row: dict, shape: dict, cluster: ClusterSpec, fw: FrameworkDefau
         bias=not (untied or "mpt" in lname),
         precision=precision,
         attention=fw.attention,
+        dropout=dropout,
     )
 
 
@@ -279,9 +290,9 @@ def row_to_specs(
     return model, plan, cluster, used
 
 
-def number_error(text: str, integer: bool) -> str | None:
+def number_error(text: str, integer: bool, positive: bool = False) -> str | None:
     """Why a numeric cell is unreadable, or None when it is a finite number (an integer if
-    ``integer``)."""
+    ``integer``, above 0 if ``positive``)."""
     try:
         value = float(text)
     except ValueError:
@@ -290,6 +301,8 @@ def number_error(text: str, integer: bool) -> str | None:
         return f"not a finite number: {text!r}"
     if integer and value != int(value):
         return f"not an integer: {text!r}"
+    if positive and value <= 0:
+        return f"not a positive number: {text!r}"
     return None
 
 
@@ -339,7 +352,8 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     Raises:
         ValueError: naming the file and line: an empty file, missing ``E2E_COLUMNS``, no data
             rows, a row with more or fewer cells than the header, or a cell of
-            ``E2E_INT_COLUMNS`` / ``E2E_FLOAT_COLUMNS`` that is not a finite number (integer).
+            ``E2E_INT_COLUMNS`` / ``E2E_FLOAT_COLUMNS`` that is not a finite number (integer;
+            positive in ``E2E_POSITIVE_COLUMNS``).
     """
     with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.reader(fh)
@@ -356,7 +370,8 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
             for start, cells in data_rows(reader, len(header)):
                 row = {k: v.strip() for k, v in zip(header, cells)}
                 for col in (*E2E_INT_COLUMNS, *E2E_FLOAT_COLUMNS):
-                    if row.get(col) and (why := number_error(row[col], col in E2E_INT_COLUMNS)):
+                    kind = (col in E2E_INT_COLUMNS, col in E2E_POSITIVE_COLUMNS)
+                    if row.get(col) and (why := number_error(row[col], *kind)):
                         raise CsvLineError(start, f"column '{col}': {why}")
                 rows.append(row)
         except CsvLineError as e:

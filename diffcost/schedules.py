@@ -154,9 +154,19 @@ def _interleaved_makespan(pipe: Pipeline, tau):
 
 
 def _interleaved_in_flight(p, m, v, tau):
-    """``min(p (1 + (p - 1) / (p v)), m)`` and ``min(1 + (p - 1) / v, m)``."""
+    """Stage-loads of activations held at the peak by the first and the last rank.
+
+    Rank ``r`` warms up with ``2 (p - r - 1) + (v - 1) p`` chunk forwards and holds one more
+    in the steady state, each chunk ``1 / v`` of the rank's layers (Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving``; ``_interleaved_order`` below): the first
+    rank ``p (1 + (p - 1) / (p v))`` (Korthikanti et al. 2022, sec. 4.2.3, the
+    ``interleaved_schedule_memory_penalty`` of Megatron-LM's theoretical memory), the last
+    ``p - (p - 1) / v``. With ``m = p`` every forward runs first and each rank holds all ``m``.
+    """
     first = smooth.smin2(p * (1.0 + (p - 1.0) / (p * v)), m, tau)
-    return first, smooth.smin2(1.0 + (p - 1.0) / v, m, tau)
+    all_warm = 1.0 - smooth.clip_exact(m - p, 0.0, 1.0)  # 1 at m = p
+    last = smooth.smin2(p - (p - 1.0) / v, m, tau)
+    return first, all_warm * m + (1.0 - all_warm) * last
 
 
 def _interleaved_order(s, p, m, v):

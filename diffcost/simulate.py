@@ -18,9 +18,11 @@ simulates event by event):
 5. **Optimizer step** (memory-bound over the local optimizer shard), the ZeRO-1/2 parameter
    all-gather, and a fixed per-iteration overhead.
 
-Memory per stage: 16-bit weights, fp32 gradients, fp32 master weights and two Adam moments,
-each divided by ``dp`` from the ZeRO stage that shards it; activations of the microbatches in
-flight; communication buffers; a fixed runtime reserve.
+Memory per stage (``memory``): 16-bit weights, fp32 gradients, fp32 master weights and two Adam
+moments, each divided by ``dp * cp`` from the ZeRO stage that shards it; activations of the
+microbatches in flight; the logits on the last stage; communication buffers; a fixed runtime
+reserve. ``tests/test_memory_reference.py`` checks it against an independent calculation of
+what Megatron-Core allocates.
 
 Categorical choices (ZeRO stage, recompute, schedule) are probability vectors: every variant is
 computed and the result is their mixture, so a one-hot plan gives exactly that variant and a
@@ -59,9 +61,14 @@ __all__ = [
 STATUS_OK, STATUS_OOM, STATUS_INVALID = 0, 1, 2
 STATUS_NAMES = ("ok", "oom", "invalid")
 
-OPTIMIZER_STATE_BYTES = 12.0  # fp32 master weights + Adam m and v
-LOGIT_BYTES = 4.0  # fp32 logits and their gradient on the last stage
-RUNTIME_RESERVE_BYTES = 1.0 * 2**30  # CUDA context, allocator fragmentation, workspaces
+# Bytes per parameter of optimizer state: fp32 master weights and Adam's two moments (ZeRO,
+# Rajbhandari et al. 2020, sec. 3.1: 2 + 2 + 12).
+OPTIMIZER_STATE_BYTES = 12.0
+# Last stage: the 16-bit logits and the fp32 copy Megatron-Core's vocab-parallel cross entropy
+# makes of them (``VocabParallelCrossEntropy.calculate_logits_max``), both alive at the loss; in
+# backward the fp32 gradient (written over that copy) and its 16-bit cast.
+LOGIT_BYTES = 2.0 + 4.0
+RUNTIME_RESERVE_BYTES = 1.0 * 2**30  # CUDA context, NCCL buffers, allocator fragmentation
 DP_BUCKET_BYTES = 40e6  # gradient bucket buffers (two in flight)
 
 
@@ -88,11 +95,14 @@ class Breakdown:
     activations_bytes: jax.Array
     buffers_bytes: jax.Array
     memory_stage_bytes: jax.Array  # [2] total per stage, first and last
-    memory_peak_bytes: jax.Array
+    memory_peak_bytes: jax.Array  # allocated peak + RUNTIME_RESERVE_BYTES, against capacity
     memory_capacity_bytes: jax.Array
     memory_excess_bytes: jax.Array  # smooth max(peak - capacity, 0): the OOM penalty
     model_flops: jax.Array  # model FLOPs of one iteration, all GPUs
     status: jax.Array  # int32: 0 ok, 1 out of memory, 2 invalid plan
+    # peak the PyTorch caching allocator hands out (``torch.cuda.max_memory_allocated``): the
+    # largest stage total without the runtime reserve, which the allocator does not see
+    memory_allocated_bytes: jax.Array
 
     TIME_PARTS = (
         "compute_s",
@@ -221,6 +231,34 @@ def _in_flight(plan: PlanArrays, temperature):
 def memory(model, plan, cluster, temperature, work=None):
     """Memory per stage kind (first, last): weights, grads, optimizer, activations, buffers.
 
+    What Megatron-Core allocates, part by part:
+
+    * weights: 16-bit parameters, 2 B each; the last stage holds the LM head (its own matrix, or
+      the copy Megatron keeps of a tied embedding);
+    * grads: the main-gradient buffer, 4 B (fp32) or 2 B per parameter (``grad_bytes``);
+    * optimizer: fp32 master weights and Adam's moments, 12 B per parameter (Rajbhandari et al.,
+      "ZeRO", SC'20, sec. 3.1). Megatron-Core's distributed optimizer (ZeRO stage 1) shards
+      this part over ``dp`` and neither of the others (its documented 6 + 12/d bytes per
+      parameter with bf16 weights and fp32 gradients, 18 without it); ZeRO-2 also shards the
+      gradients and ZeRO-3 (FSDP) the weights, keeping two gathered layers (the current one
+      and the prefetched one). Context-parallel ranks hold the same parameters, so the shards
+      span ``dp * cp`` ranks (Megatron-Core's data-parallel group with context parallelism,
+      FSDP2's flattened ``dp_shard_cp`` mesh); expert parameters span ``dp / ep * cp``. With
+      16-bit main gradients Megatron's optimizer copies them to fp32 for the step (its table's
+      20 and 4 + 16/d bytes): that copy lives after the activations are freed and is left
+      out. FSDP's sharded fp32 parameters double as master weights, so that path over-counts
+      by its 16-bit shard, ``2 / dp`` per parameter;
+    * activations: ``workload.layer_work(...).activation_bytes`` per layer and microbatch
+      (Korthikanti et al. 2022, Table 2) times the layers of a stage and the microbatches the
+      schedule keeps in flight at the stage's peak (``schedules``: ``min(p, m)`` on the first
+      1F1B stage and 1 on the last; ``p (1 + (p - 1) / (p v))`` and ``p - (p - 1) / v`` under
+      interleaving). Full recompute keeps each layer's input and, while one layer is
+      recomputed, that layer's full activations. The last stage adds ``LOGIT_BYTES`` per token
+      and local vocabulary entry;
+    * buffers: pipeline send/receive buffers, two gradient buckets (Megatron-Core's buckets are
+      views of the gradient buffer, so for it these 80 MB are an over-count) and
+      ``RUNTIME_RESERVE_BYTES``, which ``Breakdown.memory_allocated_bytes`` leaves out.
+
     Args:
         model, plan, cluster: array pytrees of one configuration.
         temperature: relative softness of the smooth minima (static).
@@ -239,11 +277,13 @@ def memory(model, plan, cluster, temperature, work=None):
     dense_stage = layers * dense_p + jnp.stack([emb + head_first, head_last])
     expert_stage = layers * expert_p * jnp.ones(2)
     z = plan.zero
-    edp = plan.dp / plan.ep
+    # the data-parallel ranks of every cp rank hold replicas: ZeRO shards over dp * cp
+    dp_cp, edp_cp = plan.dp * plan.cp, plan.dp / plan.ep * plan.cp
 
-    def sharded(stage_from):  # divide by dp from ZeRO stage `stage_from` on
+    def sharded(stage_from):  # divide by dp * cp from ZeRO stage `stage_from` on
         on = jnp.sum(z[stage_from:])
-        return dense_stage / (1.0 + on * (plan.dp - 1.0)) + expert_stage / (1.0 + on * (edp - 1.0))
+        dense = dense_stage / (1.0 + on * (dp_cp - 1.0))
+        return dense + expert_stage / (1.0 + on * (edp_cp - 1.0))
 
     weights = WEIGHT_BYTES * sharded(3)
     grad_b = grad_bytes(plan)
@@ -254,7 +294,7 @@ def memory(model, plan, cluster, temperature, work=None):
 
     act_layer = jnp.sum(plan.recompute * work.activation_bytes)  # [none, selective, full]
     act_full = work.activation_bytes[0]
-    logits = LOGIT_BYTES * 2.0 * work.tokens * model.vocab / plan.tp
+    logits = LOGIT_BYTES * work.tokens * model.vocab / plan.tp
     act = layers * act_layer * _in_flight(plan, temperature) + plan.recompute[2] * act_full
     act = act + jnp.stack([(1.0 - multi) * logits, logits])
     buckets = smooth.smin2(grad_b * layers * dense_p, DP_BUCKET_BYTES, temperature)
@@ -305,7 +345,9 @@ def simulate(
     w, g, o, a, buf = memory(model, plan, cluster, temperature, work)
     per_stage = w + g + o + a + buf
     has_last = multi_stage(plan.pp)
-    peak = smooth.smooth_max(per_stage * jnp.stack([1.0, has_last]), temperature=temperature)
+    allocated = per_stage - RUNTIME_RESERVE_BYTES
+    allocated = smooth.smooth_max(allocated * jnp.stack([1.0, has_last]), temperature=temperature)
+    peak = allocated + RUNTIME_RESERVE_BYTES
     cap = cluster.memory_bytes
     excess = smooth.smooth_relu(peak - cap, cap, temperature)
     valid = plan_is_valid(model, plan, cluster)
@@ -340,4 +382,5 @@ def simulate(
         memory_excess_bytes=excess,
         model_flops=flops,
         status=status.astype(jnp.int32),
+        memory_allocated_bytes=allocated,
     )

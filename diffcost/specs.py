@@ -61,6 +61,9 @@ class ModelSpec:
     precision: Precision = "bf16"
     moe: MoeSpec | None = None
     attention: Attention = "cudnn"  # attention kernel (see ``Attention``)
+    # hidden and attention dropout on: Megatron keeps their masks for backward (memory only);
+    # Llama-family recipes train with both at 0
+    dropout: bool = True
 
     @property
     def flash_attention(self) -> bool:

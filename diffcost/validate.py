@@ -3,8 +3,14 @@
 Blank cells mean "the source did not say". They are filled with the defaults a practitioner
 would assume for that framework (``diffcost.runs.row_to_specs`` and its
 ``FRAMEWORK_DEFAULTS``), and every filled value is reported per row. Rows that still cannot be
-represented, and rows without a positive measured time, are listed with the reason, never
-dropped silently or counted in the errors.
+represented, and rows with neither a positive measured time nor a measured peak memory, are
+listed with the reason, never dropped silently or counted in the errors.
+
+Each error figure counts the rows that have its measurement: the time figures the rows with a
+positive ``measured_iter_s``, the memory figures the rows with ``measured_peak_mem_gib`` (peak
+memory allocated per GPU, ``torch.cuda.max_memory_allocated``, GiB), which is compared with
+``Breakdown.memory_allocated_bytes``. A row with a memory measurement and no usable time is
+predicted for memory only.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from diffcost.simulate import STATUS_NAMES
 from diffcost.stacks import stack_of
 from diffcost.uncertainty import log_time_jacobians, spread
 
+GIB = 2.0**30
+
 
 @dataclasses.dataclass
 class RowResult:
@@ -40,6 +48,9 @@ class RowResult:
     status: str | None = None
     skipped: str | None = None
     defaults: list[str] = dataclasses.field(default_factory=list)
+    measured_peak_mem_gib: float | None = None
+    predicted_peak_mem_gib: float | None = None
+    mem_ape_pct: float | None = None
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float | None:
@@ -73,17 +84,36 @@ def interval_stats(results: list[RowResult]) -> dict:
 def _summary(results: list[RowResult]) -> dict:
     done = [r for r in results if r.ape_pct is not None]
     apes = [r.ape_pct for r in done]
+    mem_apes = [r.mem_ape_pct for r in results if r.mem_ape_pct is not None]
+    predicted = sum(r.skipped is None for r in results)
     return {
         "rows": len(results),
-        "predicted": len(done),
-        "skipped": len(results) - len(done),
+        "predicted": predicted,
+        "skipped": len(results) - predicted,
         "mape_pct": float(np.mean(apes)) if apes else None,
         "max_ape_pct": float(np.max(apes)) if apes else None,
         "kendall_tau": kendall_tau(
             [r.measured_iter_s for r in done], [r.predicted_iter_s for r in done]
         ),
+        "time_rows": len(apes),
+        "mem_rows": len(mem_apes),
+        "mem_mape_pct": float(np.mean(mem_apes)) if mem_apes else None,
+        "mem_max_ape_pct": float(np.max(mem_apes)) if mem_apes else None,
         **interval_stats(done),
     }
+
+
+def _ape_pct(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured * 100.0
+
+
+def _no_time(r: RowResult, cell: str) -> str | None:
+    """Why the row's time counts in no error figure, or None for a positive time."""
+    if r.measured_iter_s is None:
+        return "measured_iter_s blank"
+    if r.measured_iter_s <= 0:
+        return f"measured_iter_s {cell} is not a positive time"
+    return None
 
 
 def _cluster_params(cluster, params: Params | None, profile, software: str | None):
@@ -102,14 +132,19 @@ def _cluster_params(cluster, params: Params | None, profile, software: str | Non
 
 def _predict_batch(batch: list) -> None:
     """Predict ``batch`` ((RowResult, model, plan, cluster arrays, Params, Uncertainty, stack)
-    per row) in one vmapped call, filling each row's prediction, interval and error."""
+    per row) in one vmapped call, filling each row's prediction, interval, peak memory and
+    errors."""
     stacked = [stack([b[k] for b in batch]) for k in range(1, 5)]
     out, jac = jax.tree_util.tree_map(np.asarray, log_time_jacobians(*stacked))
     for j, (r, *_rest, unc, run_stack) in enumerate(batch):
         pred = float(out.iteration_s[j])
         r.predicted_iter_s = pred
         r.status = STATUS_NAMES[int(out.status[j])]
-        r.ape_pct = abs(pred - r.measured_iter_s) / r.measured_iter_s * 100.0
+        if _no_time(r, "") is None:
+            r.ape_pct = _ape_pct(pred, r.measured_iter_s)
+        r.predicted_peak_mem_gib = float(out.memory_allocated_bytes[j]) / GIB
+        if r.measured_peak_mem_gib is not None:
+            r.mem_ape_pct = _ape_pct(r.predicted_peak_mem_gib, r.measured_peak_mem_gib)
         if unc is not None:
             s = spread(jac[j], unc, unc.stack_seen(run_stack))
             r.predicted_iter_s_low, r.predicted_iter_s_high = s.interval(pred)
@@ -121,18 +156,21 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     Returns:
         ``{"summary": {...}, "by_source": {name: {...}}, "rows": [...]}`` with the keys
         documented in the README (``rows``, ``predicted``, ``skipped``, ``mape_pct``,
-        ``max_ape_pct``, ``kendall_tau``; ``coverage_pct`` and ``median_width_pct`` of the
-        rows' 80% intervals, ``interval_stats``), and ``profiles``: cluster (and software
-        stack, from the row's ``framework``: ``diffcost.stacks``) -> which calibrated layers
-        were used. ``params`` (one set for every row) overrides
-        ``profile``; ``profile`` is None for each cluster's default calibrated profile,
-        ``"none"`` for datasheet defaults, or a profile file. Rows with a blank or
-        non-positive ``measured_iter_s`` are skipped (their ``skipped`` says why) and count
-        in no error figure, and so are rows on a cluster of another GPU family than a given
-        profile file's. Each predicted row has its 80% interval (``predicted_iter_s_low``,
+        ``max_ape_pct``, ``kendall_tau`` over the ``time_rows`` with a positive measured time;
+        ``coverage_pct`` and ``median_width_pct`` of those rows' 80% intervals,
+        ``interval_stats``; ``mem_mape_pct``, ``mem_max_ape_pct`` over the ``mem_rows`` with
+        a measured peak memory), and ``profiles``: cluster (and software stack, from the
+        row's ``framework``: ``diffcost.stacks``) -> which calibrated layers were used.
+        ``params`` (one set for every row) overrides ``profile``; ``profile`` is None for
+        each cluster's default calibrated profile, ``"none"`` for datasheet defaults, or a
+        profile file. Rows with neither a positive ``measured_iter_s`` nor a
+        ``measured_peak_mem_gib`` are skipped (their ``skipped`` says why) and count in no
+        error figure, and so are rows on a cluster of another GPU family than a given profile
+        file's. Every predicted row has ``predicted_peak_mem_gib`` (rows with a measured peak
+        ``mem_ape_pct``) and its 80% interval (``predicted_iter_s_low``,
         ``predicted_iter_s_high``; ``diffcost.uncertainty``, with the stack spread when the
-        row's ``framework`` has no runs in its profile's fit), except with ``params`` (no
-        posterior: None).
+        row's stack has no runs in its profile's fit), except with ``params`` (no posterior:
+        None).
 
     Raises:
         ValueError: the file is not a readable end-to-end CSV (see :func:`read_rows`).
@@ -143,20 +181,18 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
     cache: dict = {}
     cluster_cache: dict = {}
     for i, row in enumerate(rows, start=1):
-        measured = row["measured_iter_s"]
+        measured, mem = row["measured_iter_s"], row.get("measured_peak_mem_gib", "")
         r = RowResult(
             row=i,
             source=row["source"],
             model=row["model"],
             cluster=row["cluster"],
             measured_iter_s=float(measured) if measured else None,
+            measured_peak_mem_gib=float(mem) if mem else None,
         )
         results.append(r)
-        if r.measured_iter_s is None:
-            r.skipped = "measured_iter_s blank"
-            continue
-        if r.measured_iter_s <= 0:
-            r.skipped = f"measured_iter_s {measured} is not a positive time"
+        if (why := _no_time(r, measured)) and r.measured_peak_mem_gib is None:
+            r.skipped = why
             continue
         try:
             model, plan, cluster, used = row_to_specs(row, cache)

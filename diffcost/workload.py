@@ -27,12 +27,15 @@ from diffcost.arrays import ACT_BYTES, ModelArrays, PlanArrays
 from diffcost.params import ATTN_SHAPE_REF
 from diffcost.specs import PRECISIONS
 
-# Korthikanti et al.: bytes per token of activations that SP splits (two norm inputs, two
-# dropout masks, the inputs of the QKV and FC1 GEMMs), in units of hidden.
-_SP_SPLIT_ACT_PER_H = 10.0
+# Korthikanti et al.: bytes per token of activations that SP splits, in units of hidden: two
+# norm inputs and the inputs of the QKV and FC1 GEMMs (2 B each), and the two 1-byte dropout
+# masks, which exist only with dropout (PyTorch keeps no mask at p = 0).
+_SP_SPLIT_ACT_PER_H = 8.0
+_DROPOUT_MASKS_PER_H = 2.0
 # Score-matrix activations per (head, query, key) without fused attention: softmax output (2 B),
-# dropout mask (1 B), dropout output (2 B).
-_SCORE_ACT_BYTES = 5.0
+# and with dropout its mask (1 B) and output (2 B).
+_SCORE_ACT_BYTES = 2.0
+_SCORE_DROPOUT_BYTES = 3.0
 # HBM passes over the s x s scores in unfused attention (write scores, softmax read/write,
 # dropout read/write, read for the value product).
 _SCORE_PASSES = 6.0
@@ -326,17 +329,20 @@ def _activation_bytes(model: ModelArrays, plan: PlanArrays, t, sp_t, routed):
     """Activation bytes one layer keeps for backward, per microbatch: [none, selective, full].
 
     Korthikanti et al. Table 2 generalized to GQA, SwiGLU and MoE: ``10 h`` per token split by
-    SP, attention ``2 h (1 + 2 kv/heads) + 2 h`` and MLP inner activations split by tp, scores
-    ``5 a s`` per token split by tp (absent with fused attention, and under selective
-    recompute). Full recompute keeps only each layer's input.
+    SP (``8 h`` without dropout), attention ``2 h (1 + 2 kv/heads) + 2 h`` and MLP inner
+    activations split by tp, scores ``5 a s`` per token split by tp (``2 a s`` without
+    dropout; absent with fused attention, and under selective recompute). Full recompute keeps
+    only each layer's input. For GPT (``f = 4 h``, ``kv = heads``, dropout) this is the paper's
+    ``s b h (34 + 5 a s / h) / t`` with SP, ``34 s b h / t`` selective, ``2 s b h / t`` full.
     """
     h, f = model.hidden, model.ffn_hidden
     kv = model.kv_heads / model.heads
-    split_sp = _SP_SPLIT_ACT_PER_H * sp_t * h
+    split_sp = (_SP_SPLIT_ACT_PER_H + _DROPOUT_MASKS_PER_H * model.dropout) * sp_t * h
     attn = t * (2.0 * h * (1.0 + 2.0 * kv) + 2.0 * h) / plan.tp
     mlp = routed * (ACT_BYTES * f * (1.0 + model.swiglu) + ACT_BYTES * f) / plan.tp
     mlp = mlp + (routed - t) * ACT_BYTES * h / plan.tp  # routed copies of the MLP input
-    scores = _SCORE_ACT_BYTES * model.heads / plan.tp * t * model.seq_len * (1.0 - model.flash)
+    score_b = _SCORE_ACT_BYTES + _SCORE_DROPOUT_BYTES * model.dropout
+    scores = score_b * model.heads / plan.tp * t * model.seq_len * (1.0 - model.flash)
     selective = split_sp + attn + mlp
     none = selective + scores
     full = ACT_BYTES * sp_t * h

@@ -127,6 +127,10 @@ def test_validate_reports_rows_sources_and_skips():
         "kendall_tau",
         "coverage_pct",
         "median_width_pct",
+        "time_rows",
+        "mem_rows",
+        "mem_mape_pct",
+        "mem_max_ape_pct",
     }
 
 

@@ -30,6 +30,17 @@ ROW_COLUMNS = (
     "APE %",
     "defaults",
 )
+# shown when some row has a measured peak memory: (header, key, format) per column
+MEM_SUMMARY = (
+    ("mem rows", "mem_rows", "d"),
+    ("mem MAPE %", "mem_mape_pct", ".1f"),
+    ("mem max APE %", "mem_max_ape_pct", ".1f"),
+)
+MEM_ROW = (
+    ("measured GiB", "measured_peak_mem_gib", ".2f"),
+    ("predicted GiB", "predicted_peak_mem_gib", ".2f"),
+    ("mem APE %", "mem_ape_pct", ".1f"),
+)
 
 
 def register(subparsers) -> None:
@@ -58,8 +69,19 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _has_memory(out: dict) -> bool:
+    """Whether some row has a measured peak memory (the tables then show memory columns)."""
+    return out["summary"].get("mem_rows", 0) > 0
+
+
+def _mem_cells(d: dict, columns, show: bool) -> tuple[str, ...]:
+    """The memory cells of a summary or row ``d`` (none unless ``show``)."""
+    return tuple(_fmt(d[key], spec) for _, key, spec in columns) if show else ()
+
+
 def _summary_rows(out: dict) -> list[tuple[str, ...]]:
     """One row per source and one for all of them."""
+    mem = _has_memory(out)
     return [
         (
             name,
@@ -71,6 +93,7 @@ def _summary_rows(out: dict) -> list[tuple[str, ...]]:
             _fmt(s["kendall_tau"], ".3f"),
             _fmt(s["coverage_pct"], ".0f"),
             _fmt(s["median_width_pct"], ".1f"),
+            *_mem_cells(s, MEM_SUMMARY, mem),
         )
         for name, s in [*out["by_source"].items(), ("all", out["summary"])]
     ]
@@ -85,15 +108,17 @@ def _interval(row: dict) -> str:
 
 def _predicted_rows(out: dict) -> list[tuple[str, ...]]:
     """One row per predicted (not skipped) measurement."""
+    mem = _has_memory(out)
     return [
         (
             str(r["row"]),
             r["source"],
             r["model"],
-            f"{r['measured_iter_s']:.4g}",
-            f"{r['predicted_iter_s']:.4g}",
+            _fmt(r["measured_iter_s"], ".4g"),
+            _fmt(r["predicted_iter_s"], ".4g"),
             _interval(r),
             _fmt(r["ape_pct"], ".1f"),
+            *_mem_cells(r, MEM_ROW, mem),
             "; ".join(r["defaults"]),
         )
         for r in out["rows"]
@@ -122,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
     # source names are long: wrapped on a narrow terminal, never cut
     fold = {"source": {"overflow": "fold", "min_width": 12}}
     title = f"validation against {args.csv}"
-    console.print(common.make_table(title, SUMMARY_COLUMNS, _summary_rows(out), options=fold))
+    mem = [c[0] for c in MEM_SUMMARY] if _has_memory(out) else []
+    summary = common.make_table(title, (*SUMMARY_COLUMNS, *mem), _summary_rows(out), options=fold)
+    console.print(summary)
     for cluster, note in out.get("profiles", {}).items():
         console.print(f"constants for {cluster}: {note}")
     skipped = [r for r in out["rows"] if r["skipped"]]
@@ -131,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
         for r in skipped:
             console.print(f"  row {r['row']} ({r['source']}, {r['model']}): {r['skipped']}")
     if args.rows:
-        console.print(common.make_table("rows", ROW_COLUMNS, _predicted_rows(out), right=()))
+        columns = ROW_COLUMNS
+        if _has_memory(out):
+            columns = (*ROW_COLUMNS[:-1], *(c[0] for c in MEM_ROW), ROW_COLUMNS[-1])
+        console.print(common.make_table("rows", columns, _predicted_rows(out), right=()))
     else:
         console.print("per-row results and the defaults used: --rows or --json")
     return 0
