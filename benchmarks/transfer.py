@@ -74,7 +74,7 @@ class Transfer:
         self.quiet = args.json
         self.quick = bool(args.quick)
         self.unseen = args.unseen
-        knobs = {"device_layer_grid": not args.no_device_layer_grid, "stacks": not args.no_stacks}
+        knobs = {"device_layer_grid": args.device_layer_grid, "stacks": not args.no_stacks}
         self.cfg = F.FitConfig(steps=60 if args.quick else F.FitConfig().steps, **knobs)
         self.few_cfg = F.FitConfig(
             steps=30 if args.quick else FEW_SHOT_STEPS, learning_rate=FEW_SHOT_LR, **knobs
@@ -369,8 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
     ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
                     help="constants of a held-out cluster no training run names")  # fmt: skip
-    ap.add_argument("--no-device-layer-grid", action="store_true",
-                    help="hold the device layer shape grid at factor 1 (FitConfig)")  # fmt: skip
+    ap.add_argument("--device-layer-grid", action="store_true",
+                    help="fit the device layer shape grid too (FitConfig)")  # fmt: skip
     ap.add_argument("--no-stacks", action="store_true",
                     help="hold the software stack offsets at 0 (FitConfig)")  # fmt: skip
     ap.add_argument("--data", default=str(DATA), help="shared data directory")
