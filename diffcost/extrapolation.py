@@ -4,8 +4,9 @@ A prediction extrapolates when (``warnings``):
 
 * its GPU family has no end-to-end runs in the profile's fit (the kernel and layer constants
   were fitted to kernel tables only, or not at all);
-* its software stack (``--stack``) has none on the cluster (or, for a cluster without runs of
-  its own, on its GPU family);
+* its cluster has none of its own (its cluster constants are the population's, and every
+  stack is unseen there);
+* its software stack (``--stack``) has none on the cluster;
 * its scale (GPUs, model parameters, sequence length) lies more than ``FAR_OUTSIDE`` times
   beyond the range of those runs (``diffcost.uncertainty.Coverage``);
 * a constant it is sensitive to (``|d log T / d log c| > ELASTICITY_WARN``, the elasticities of
@@ -99,7 +100,12 @@ def warnings(
             "constants are not checked against measured iterations"
         )
     runs = unc.fitted()
-    if stack is not None and not unc.stack_seen(stack):
+    if unc.cluster is not None and not unc.cluster.rows:
+        out.append(
+            f"no end-to-end runs of {exp.cluster.name} in the profile's fit: its cluster "
+            "constants are the fitted clusters' mean, and the interval adds the stack spread"
+        )
+    elif stack is not None and not unc.stack_seen(stack):
         seen = ", ".join(runs.stacks) if runs is not None and runs.stacks else "none"
         out.append(
             f"software stack {stack!r} has no end-to-end runs in the profile's fit (fitted "

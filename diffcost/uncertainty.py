@@ -103,9 +103,13 @@ class Uncertainty:
         return self.device
 
     def stack_seen(self, stack: str | None) -> bool:
-        """Whether ``stack`` has end-to-end runs in the fit (of this cluster where it has
-        runs, else of its GPU family). ``None`` (not said) means the fitted runs' stack, which
-        is seen when there are such runs."""
+        """Whether ``stack`` has end-to-end runs in the fit on this cluster. ``None`` (not
+        said) means the fitted runs' stack, which is seen when there are such runs. A cluster
+        profile without runs of its own (the population, or one fitted on collectives alone)
+        sees no stack: a new cluster is as far from the fit as a new source, which is what the
+        stack spread measures. Without a cluster layer, its GPU family's runs stand for it."""
+        if self.cluster is not None and not self.cluster.rows:
+            return False
         runs = self.fitted()
         if runs is None or not runs.rows:
             return False

@@ -240,3 +240,13 @@ def test_predict_cli_prints_the_interval_and_the_warnings(capsys):
     assert fsdp["interval"]["stack"] == "pytorch-fsdp" and not fsdp["interval"]["stack_seen"]
     assert fsdp["iteration_s"] != pytest.approx(d["iteration_s"], rel=1e-6)
     assert "stack-pytorch-fsdp.yaml" in fsdp["profile"]
+
+
+def test_a_cluster_without_runs_sees_no_stack_and_says_so():
+    """selene-a100-80g has no runs and no profile: population constants, the stack spread and
+    a warning, whatever stack is named."""
+    plain = predict_interval("gpt3-175b.yaml")
+    named = predict_interval("gpt3-175b.yaml", stack="megatron-core")
+    for p in (plain, named):
+        assert not p.stack_seen and p.spread.stack_sd > 0
+        assert any("no end-to-end runs of selene-a100-80g" in w for w in p.warnings)
