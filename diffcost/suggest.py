@@ -1,0 +1,307 @@
+"""Which runs to measure: rank candidate measurements by how much they would shrink the
+predictive variance of a target prediction (optimal experimental design on the Laplace
+posterior of ``diffcost.uncertainty``).
+
+A target's log iteration time has predictive variance
+
+    v = J Sigma J^T + residual_sd^2 (+ stack_sd^2 when its stack is unseen),
+
+with ``J`` its Jacobian ``d log T / d raw`` over ``diffcost.params.SCALAR_NAMES`` and ``Sigma``
+their posterior covariance. Measuring a candidate with Jacobian ``j`` is one more observation
+of ``log T_c`` with noise variance ``s^2`` (the profile's ``residual_sd^2``). Bayes' rule for a
+linear-Gaussian observation updates the covariance by a rank-one term,
+
+    Sigma' = Sigma - (Sigma j^T)(j Sigma) / (j Sigma j^T + s^2),
+
+so the target's posterior variance falls by ``(J Sigma j^T)^2 / (j Sigma j^T + s^2)``
+(``variance_after``). The residual and stack terms are not constants of the model: no
+measurement moves them here. ``greedy_design`` picks ``budget`` candidates one at a time, each
+the one that leaves the target the smallest variance given those already picked (ties go to
+the cheaper run), updating ``Sigma`` after each pick. The variance reduction is submodular in
+the picks for one target, so greedy selection is within ``1 - 1/e`` of the best set (Krause &
+Guestrin, "Near-optimal nonmyopic value of information in graphical models", 2005).
+
+The candidates (``candidate_runs``) are short end-to-end runs of slices of the target's model on
+one or two nodes of its cluster: fewer layers (``LAYERS_PER_STAGE`` per pipeline stage), every
+tensor/pipeline/data layout that fills the nodes with at most ``MAX_STAGES`` stages, the
+target's microbatch, sequence length, context parallelism, ZeRO stage and recompute, and every
+plan rule of ``diffcost.constraints`` satisfied. A candidate that would not fit in memory is
+dropped once predicted. Each is priced by its predicted iteration time times its GPU count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from diffcost import smooth
+from diffcost.api import experiment_arrays
+from diffcost.constraints import divisors, problems
+from diffcost.params import SCALAR_NAMES, Params
+from diffcost.simulate import STATUS_NAMES
+from diffcost.specs import Experiment, PlanSpec
+from diffcost.uncertainty import Z80, Spread, Uncertainty, log_time_jacobian, spread
+
+LAYERS_PER_STAGE = (2, 4, 8)  # layers per pipeline stage of a slice
+NODES = (1, 2)  # nodes a candidate run uses
+MAX_STAGES = 4  # pipeline stages of a slice, at most
+MICROBATCHES_PER_STAGE = 4  # microbatches per iteration of a slice, per pipeline stage
+TIE_TOL = 1e-9  # relative: variances this close count as equal (the cheaper run wins)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One measurement that could be made.
+
+    Attributes:
+        label: a short description (``"8 GPUs, 4 layers, tp 2 pp 2 dp 2"``).
+        overrides: ``key=value`` overrides that turn the target's config into this run
+            (``diffcost predict CONFIG <target overrides> <these>`` predicts it).
+        experiment: the run.
+    """
+
+    label: str
+    overrides: tuple[str, ...]
+    experiment: Experiment
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """A picked candidate and what measuring it (after the earlier picks) does to the target.
+
+    Attributes:
+        candidate: what to run.
+        iteration_s: its predicted time per iteration.
+        gpu_s: its predicted cost per iteration, ``iteration_s`` times its GPU count.
+        log_sd_before, log_sd_after: the target's predictive log-space sd before and after
+            measuring it (after the earlier suggestions).
+    """
+
+    candidate: Candidate
+    iteration_s: float
+    gpu_s: float
+    log_sd_before: float
+    log_sd_after: float
+
+    @property
+    def width_before_pct(self) -> float:
+        return width_pct(self.log_sd_before)
+
+    @property
+    def width_after_pct(self) -> float:
+        return width_pct(self.log_sd_after)
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+    """What ``suggest`` returns.
+
+    Attributes:
+        target: the experiment asked about.
+        iteration_s: its predicted time per iteration.
+        spread: its predictive spread now (``diffcost.uncertainty.Spread``).
+        suggestions: the picks, best first.
+        n_candidates: how many candidates were priced (valid plans that fit in memory).
+    """
+
+    target: Experiment
+    iteration_s: float
+    spread: Spread
+    suggestions: tuple[Suggestion, ...]
+    n_candidates: int
+
+
+def width_pct(log_sd: float, z: float = Z80) -> float:
+    """Width of the interval ``T exp(-+ z log_sd)`` in % of ``T`` (80% by default)."""
+    return 100.0 * (math.exp(z * log_sd) - math.exp(-z * log_sd))
+
+
+# ---- the design ----------------------------------------------------------------------------
+
+
+def variance_after(target_j, cand_j, cov, noise_var: float) -> float:
+    """``J Sigma J^T`` of the target after observing a candidate's log time with noise
+    variance ``noise_var``: ``v - (J Sigma j^T)^2 / (j Sigma j^T + noise_var)``. A candidate
+    the posterior cannot tell apart from a known value (denominator 0) leaves it as it is."""
+    t, c = np.asarray(target_j, dtype=float), np.asarray(cand_j, dtype=float)
+    cov = np.asarray(cov, dtype=float)
+    v = float(t @ cov @ t)
+    denom = float(c @ cov @ c) + noise_var
+    if denom <= 0.0:
+        return max(v, 0.0)
+    return max(v - float(t @ cov @ c) ** 2 / denom, 0.0)
+
+
+def condition(cov, cand_j, noise_var: float) -> np.ndarray:
+    """``Sigma`` after observing a candidate (the rank-one Bayes update of the module
+    docstring)."""
+    cov = np.asarray(cov, dtype=float)
+    c = np.asarray(cand_j, dtype=float)
+    denom = float(c @ cov @ c) + noise_var
+    if denom <= 0.0:
+        return cov
+    g = cov @ c
+    out = cov - np.outer(g, g) / denom
+    return 0.5 * (out + out.T)
+
+
+def greedy_design(
+    target_j, cand_js, cov, noise_var: float, budget: int, costs: Sequence[float] | None = None
+) -> list[tuple[int, float]]:
+    """Pick ``budget`` distinct candidates greedily (see the module docstring).
+
+    Args:
+        target_j: ``[n]`` the target's Jacobian.
+        cand_js: ``[m, n]`` the candidates' Jacobians.
+        cov: ``[n, n]`` the posterior covariance.
+        noise_var: a measurement's noise variance (log space).
+        budget: how many to pick (at most ``m`` are).
+        costs: per candidate, what breaks ties (lower first); None: the first candidate.
+
+    Returns:
+        ``(index, J Sigma J^T after this pick and the earlier ones)`` per pick, in order.
+    """
+    if budget < 1:
+        raise ValueError(f"budget={budget}: must be at least 1")
+    cand_js = np.asarray(cand_js, dtype=float).reshape(len(cand_js), -1)
+    costs = np.zeros(len(cand_js)) if costs is None else np.asarray(costs, dtype=float)
+    cov = np.asarray(cov, dtype=float)
+    left = list(range(len(cand_js)))
+    picks = []
+    for _ in range(min(budget, len(left))):
+        after = np.array([variance_after(target_j, cand_js[i], cov, noise_var) for i in left])
+        best = after.min()
+        near = [k for k, a in enumerate(after) if a <= best + TIE_TOL * max(best, 1e-300)]
+        k = min(near, key=lambda k: costs[left[k]])
+        i = left.pop(k)
+        cov = condition(cov, cand_js[i], noise_var)
+        picks.append((i, float(after[k])))
+    return picks
+
+
+# ---- the candidates ------------------------------------------------------------------------
+
+
+def _slice_plan(plan: PlanSpec, tp: int, pp: int, dp: int) -> PlanSpec:
+    """The target's plan laid out as tp x pp x dp (its cp), 1F1B, a few microbatches."""
+    ep = math.gcd(plan.ep, dp)
+    return dataclasses.replace(
+        plan,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        sequence_parallel=plan.sequence_parallel and tp > 1,
+        schedule="gpipe" if plan.schedule == "gpipe" else "1f1b",
+        chunks=1,
+        global_batch=dp * plan.microbatch * MICROBATCHES_PER_STAGE * pp,
+    )
+
+
+def _overrides(exp: Experiment, cand: Experiment) -> tuple[str, ...]:
+    """The ``key=value`` overrides that turn ``exp`` into ``cand``."""
+    p, q = exp.plan, cand.plan
+    out = [f"gpus={q.n_gpus}", f"model.n_layers={cand.model.n_layers}"]
+    for name in ("tp", "pp", "dp", "cp", "ep", "sequence_parallel", "schedule", "chunks"):
+        value = getattr(q, name)
+        if name in ("tp", "pp", "dp") or value != getattr(p, name):
+            out.append(f"plan.{name}={str(value).lower() if isinstance(value, bool) else value}")
+    out.append(f"plan.global_batch={q.global_batch}")
+    return tuple(out)
+
+
+def candidate_runs(
+    exp: Experiment,
+    nodes: Sequence[int] = NODES,
+    layers_per_stage: Sequence[int] = LAYERS_PER_STAGE,
+    max_stages: int = MAX_STAGES,
+) -> list[Candidate]:
+    """Short runs of slices of ``exp``'s model on ``nodes`` nodes of its cluster (see the
+    module docstring); every one satisfies the plan rules (``diffcost.constraints``)."""
+    m, c, p = exp.model, exp.cluster, exp.plan
+    out = []
+    for k in nodes:
+        n = k * c.gpus_per_node
+        if n % p.cp:
+            continue
+        for tp in divisors(c.gpus_per_node):
+            for pp in [d for d in divisors(n // (p.cp * tp)) if d <= max_stages]:
+                dp = n // (p.cp * tp * pp)
+                plan = _slice_plan(p, tp, pp, dp)
+                for layers in sorted({s * pp for s in layers_per_stage if s * pp <= m.n_layers}):
+                    model = dataclasses.replace(m, n_layers=layers, name=f"{m.name}-L{layers}")
+                    if problems(model, c, plan, n_gpus=n):
+                        continue
+                    run = dataclasses.replace(exp, model=model, plan=plan, source="slice")
+                    label = f"{n} GPUs, {layers} layers, tp {tp} pp {pp} dp {dp}"
+                    label += f" cp {p.cp}" if p.cp > 1 else ""
+                    out.append(Candidate(label, _overrides(exp, run), run))
+    return out
+
+
+def _price(cands: Sequence[Candidate], params: Params, temperature: float):
+    """(kept candidates, their Jacobians [m, n], iteration times): those that fit in memory."""
+    kept, jacs, times = [], [], []
+    for cand in cands:
+        out, jac = log_time_jacobian(*experiment_arrays(cand.experiment), params, temperature)
+        t = float(out.iteration_s)
+        if STATUS_NAMES[int(out.status)] != "ok" or not math.isfinite(t):
+            continue
+        kept.append(cand)
+        jacs.append(np.asarray(jac, dtype=float))
+        times.append(t)
+    return kept, np.asarray(jacs).reshape(len(kept), len(SCALAR_NAMES)), np.asarray(times)
+
+
+def suggest(
+    exp: Experiment,
+    params: Params,
+    unc: Uncertainty,
+    budget: int = 3,
+    candidates: Sequence[Candidate] | None = None,
+    stack_seen: bool | None = None,
+    noise_sd: float | None = None,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+) -> Design:
+    """The ``budget`` measurements that shrink ``exp``'s predictive variance most.
+
+    Args:
+        exp: the target (what the user cares about).
+        params: the constants (``diffcost.profiles.params_for``).
+        unc: their posterior (``diffcost.profiles.uncertainty_for``).
+        budget: how many to suggest (fewer when fewer candidates are valid).
+        candidates: what could be measured; None for ``candidate_runs(exp)``.
+        stack_seen: whether the target's stack is seen (adds the stack spread when not);
+            None for ``unc.stack_seen(exp.stack)``.
+        noise_sd: a measurement's log-space noise; None for ``unc.residual_sd``.
+        temperature: smoothness of the model, as in ``simulate``.
+
+    Returns:
+        A ``Design``.
+
+    Raises:
+        ValueError: ``budget`` below 1.
+    """
+    if budget < 1:
+        raise ValueError(f"budget={budget}: must be at least 1")
+    seen = unc.stack_seen(exp.stack) if stack_seen is None else stack_seen
+    out, target_j = log_time_jacobian(*experiment_arrays(exp), params, temperature)
+    target_j = np.asarray(target_j, dtype=float)
+    now = spread(target_j, unc, seen)
+    cands = candidate_runs(exp) if candidates is None else list(candidates)
+    kept, jacs, times = _price(cands, params, temperature)
+    noise = unc.residual_sd if noise_sd is None else noise_sd
+    gpus = np.array([c.experiment.plan.n_gpus for c in kept], dtype=float)
+    picks = greedy_design(target_j, jacs, unc.cov, noise**2, budget, times * gpus) if kept else []
+    fixed = now.residual_sd**2 + now.stack_sd**2  # no measurement moves these
+    before = now.log_sd
+    suggestions = []
+    for i, var in picks:
+        after = math.sqrt(var + fixed)
+        s = Suggestion(kept[i], float(times[i]), float(times[i] * gpus[i]), before, after)
+        suggestions.append(s)
+        before = after
+    return Design(exp, float(out.iteration_s), now, tuple(suggestions), len(kept))

@@ -1,0 +1,141 @@
+"""Which runs to measure: the variance formula against Bayes' rule, greedy picks that never
+widen the target and never repeat, the preference for the constant the target is most
+sensitive to, the candidate runs (valid, reproducible from their overrides) and the CLI."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffcost import cli, profiles
+from diffcost import suggest as sg
+from diffcost.api import experiment_arrays, load, params_for
+from diffcost.params import SCALAR_NAMES
+from diffcost.uncertainty import log_time_jacobian, prior_uncertainty
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "configs" / "examples" / "gpt-1b-vtrain.yaml")
+
+
+def _random_problem(n=6, m=9, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n, n))
+    cov = 0.05 * (a @ a.T) + 0.01 * np.eye(n)
+    return rng.normal(size=n), rng.normal(size=(m, n)), cov
+
+
+def _posterior(cov, rows, noise_var):
+    """Sigma after observing ``rows`` (information form: precision adds ``j j^T / s^2``)."""
+    precision = np.linalg.inv(cov) + sum(np.outer(j, j) for j in rows) / noise_var
+    return np.linalg.inv(precision)
+
+
+def test_variance_after_is_bayes_rule():
+    t, cands, cov = _random_problem()
+    noise_var = 0.02
+    for c in cands:
+        direct = _posterior(cov, [c], noise_var)
+        assert sg.variance_after(t, c, cov, noise_var) == pytest.approx(t @ direct @ t, rel=1e-9)
+        np.testing.assert_allclose(sg.condition(cov, c, noise_var), direct, rtol=1e-8, atol=1e-12)
+        assert sg.variance_after(t, c, cov, noise_var) < t @ cov @ t
+
+
+def test_greedy_picks_are_distinct_and_never_widen_the_target():
+    t, cands, cov = _random_problem(m=7, seed=1)
+    noise_var = 0.01
+    picks = sg.greedy_design(t, cands, cov, noise_var, budget=10)
+    idx = [i for i, _ in picks]
+    assert len(idx) == len(cands) and len(set(idx)) == len(idx)  # capped at m, no repeats
+    variances = [t @ cov @ t] + [v for _, v in picks]
+    assert all(b <= a + 1e-12 for a, b in zip(variances, variances[1:]))
+    # the sequential rank-one updates give the joint posterior of every pick so far
+    for k in range(1, len(idx) + 1):
+        joint = _posterior(cov, cands[idx[:k]], noise_var)
+        assert picks[k - 1][1] == pytest.approx(t @ joint @ t, rel=1e-7, abs=1e-12)
+    # the first pick is the best single candidate
+    singles = [sg.variance_after(t, c, cov, noise_var) for c in cands]
+    assert idx[0] == int(np.argmin(singles))
+    with pytest.raises(ValueError, match="budget"):
+        sg.greedy_design(t, cands, cov, noise_var, budget=0)
+
+
+def test_prefers_the_constant_the_target_is_most_sensitive_to():
+    exp = load(EXAMPLE)
+    params, _ = params_for(exp)
+    _, jac = log_time_jacobian(*experiment_arrays(exp), params)
+    jac = np.asarray(jac, dtype=float)
+    unc = prior_uncertainty()  # uncorrelated constants at their prior widths
+    share = jac**2 * np.diag(unc.cov)  # each constant's part of J Sigma J^T
+    first, second = np.argsort(share)[::-1][:2]
+    assert share[first] > share[second] > 0, SCALAR_NAMES[first]
+    n = len(SCALAR_NAMES)
+    aligned, other = np.eye(n)[first], np.eye(n)[second]
+    # orthogonal to the target in the posterior metric: j Sigma J^T = 0
+    g = unc.cov @ jac
+    rng = np.random.default_rng(0)
+    orthogonal = rng.normal(size=n)
+    orthogonal -= (orthogonal @ g) / (g @ g) * g
+    cands = np.stack([orthogonal, other, aligned])
+    costs = [1.0, 2.0, 3.0]  # the aligned run is the dearest: only the variance puts it first
+    picks = sg.greedy_design(jac, cands, unc.cov, 0.02**2, budget=3, costs=costs)
+    assert [i for i, _ in picks] == [2, 1, 0]
+    # alone, the orthogonal one tells nothing about the target
+    v = jac @ unc.cov @ jac
+    assert sg.variance_after(jac, orthogonal, unc.cov, 0.02**2) == pytest.approx(v, rel=1e-9)
+
+
+def test_suggest_on_an_example():
+    exp = load(EXAMPLE)
+    params, _ = params_for(exp)
+    unc = profiles.uncertainty_for(exp.cluster)
+    design = sg.suggest(exp, params, unc, budget=4)
+    assert design.n_candidates >= 4
+    picked = [s.candidate.label for s in design.suggestions]
+    assert len(picked) == 4 and len(set(picked)) == 4
+    widths = [design.suggestions[0].width_before_pct] + [
+        s.width_after_pct for s in design.suggestions
+    ]
+    assert widths[0] == pytest.approx(sg.width_pct(design.spread.log_sd))
+    assert all(b <= a + 1e-9 for a, b in zip(widths, widths[1:]))
+    assert widths[-1] >= sg.width_pct(unc.residual_sd) - 1e-9  # the residual spread stays
+    for s in design.suggestions:
+        run = s.candidate.experiment
+        assert run.plan.n_gpus in (8, 16) and run.model.n_layers < exp.model.n_layers
+        assert s.gpu_s == pytest.approx(s.iteration_s * run.plan.n_gpus)
+        # the overrides reproduce the run through the config loader (its plan checks included)
+        again = load(EXAMPLE, s.candidate.overrides)
+        assert again.plan == run.plan and again.model.n_layers == run.model.n_layers
+    with pytest.raises(ValueError, match="budget"):
+        sg.suggest(exp, params, unc, budget=0)
+
+
+def test_candidates_are_valid_slices():
+    exp = load(EXAMPLE)
+    cands = sg.candidate_runs(exp)
+    assert cands
+    for c in cands:
+        p = c.experiment.plan
+        assert p.n_gpus in (8, 16) and p.microbatch == exp.plan.microbatch
+        assert c.experiment.model.seq_len == exp.model.seq_len
+        assert c.experiment.model.n_layers % p.pp == 0
+        assert c.experiment.model.n_layers // p.pp in sg.LAYERS_PER_STAGE
+    assert len({c.label for c in cands}) == len(cands)
+
+
+def test_cli_suggest_json(capsys):
+    assert cli.main(["suggest", EXAMPLE, "--budget", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d) == {"target", "suggestions", "n_candidates"}
+    assert d["target"]["iteration_s"] > 0 and len(d["suggestions"]) == 2
+    first = d["suggestions"][0]
+    assert first["gpu_s"] == pytest.approx(first["iteration_s"] * first["n_gpus"])
+    assert first["target_width_after_pct"] <= first["target_width_before_pct"]
+
+
+def test_cli_suggest_table_and_bad_budget(capsys):
+    assert cli.main(["suggest", EXAMPLE, "--budget", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "runs to measure" in out and "diffcost predict" in out
+    assert cli.main(["suggest", EXAMPLE, "--budget", "0"]) == 2
+    assert "--budget 0: must be at least 1" in capsys.readouterr().err
