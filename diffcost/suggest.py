@@ -14,8 +14,11 @@ linear-Gaussian observation updates the covariance by a rank-one term,
     Sigma' = Sigma - (Sigma j^T)(j Sigma) / (j Sigma j^T + s^2),
 
 so the target's posterior variance falls by ``(J Sigma j^T)^2 / (j Sigma j^T + s^2)``
-(``variance_after``). The residual and stack terms are not constants of the model: no
-measurement moves them here. ``greedy_design`` picks ``budget`` candidates one at a time, each
+(``variance_after``). The residual term is not a constant of the model: no measurement moves
+it. The stack term is: when the target's stack is unseen, its offset ``b ~ N(0, stack_sd^2)``
+is one more unknown, appended to the constants with Jacobian 1 for the target and for every
+candidate run (same cluster, same stack) and 0 for a microbenchmark, whose kernel or
+collective no stack changes. ``greedy_design`` picks ``budget`` candidates one at a time, each
 the one that leaves the target the smallest variance given those already picked (ties go to
 the cheaper run), updating ``Sigma`` after each pick. The variance reduction is submodular in
 the picks for one target, so greedy selection is within ``1 - 1/e`` of the best set (Krause &
@@ -40,6 +43,17 @@ import numpy as np
 from diffcost import smooth
 from diffcost.api import experiment_arrays
 from diffcost.constraints import divisors, problems
+from diffcost.microbench import (
+    Attention,
+    Collective,
+    Gemm,
+    attention_log_time_jacobian,
+    collective_log_time_jacobian,
+    gemm_log_time_jacobian,
+    target_attention,
+    target_collectives,
+    target_gemms,
+)
 from diffcost.params import SCALAR_NAMES, Params
 from diffcost.simulate import STATUS_NAMES
 from diffcost.specs import Experiment, PlanSpec
@@ -54,18 +68,32 @@ TIE_TOL = 1e-9  # relative: variances this close count as equal (the cheaper run
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One measurement that could be made.
+    """One measurement that could be made: a short run, or a microbenchmark (``bench``).
 
     Attributes:
         label: a short description (``"8 GPUs, 4 layers, tp 2 pp 2 dp 2"``).
-        overrides: ``key=value`` overrides that turn the target's config into this run
-            (``diffcost predict CONFIG <target overrides> <these>`` predicts it).
-        experiment: the run.
+        experiment: the run; for a microbenchmark, the target (its GPU, cluster, precision).
+        overrides: for a run, the ``key=value`` overrides that turn the target's config into
+            it (``diffcost predict CONFIG <target overrides> <these>`` predicts it).
+        bench: for a microbenchmark, its ``diffcost.microbench.Gemm`` or ``Collective``.
     """
 
     label: str
-    overrides: tuple[str, ...]
     experiment: Experiment
+    overrides: tuple[str, ...] = ()
+    bench: Gemm | Attention | Collective | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"run"``, ``"gemm"``, ``"attention"`` or ``"collective"``."""
+        return "run" if self.bench is None else type(self.bench).__name__.lower()
+
+    @property
+    def n_gpus(self) -> int:
+        """GPUs it occupies."""
+        if self.bench is None:
+            return self.experiment.plan.n_gpus
+        return self.bench.size if isinstance(self.bench, Collective) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,21 +266,54 @@ def candidate_runs(
                     run = dataclasses.replace(exp, model=model, plan=plan, source="slice")
                     label = f"{n} GPUs, {layers} layers, tp {tp} pp {pp} dp {dp}"
                     label += f" cp {p.cp}" if p.cp > 1 else ""
-                    out.append(Candidate(label, _overrides(exp, run), run))
+                    out.append(Candidate(label, run, _overrides(exp, run)))
     return out
 
 
+def candidate_microbenchmarks(exp: Experiment) -> list[Candidate]:
+    """GEMMs of ``exp``'s layer shapes and its collectives at their message sizes
+    (``diffcost.microbench``), on its cluster."""
+    out = []
+    for g in target_gemms(exp):
+        label = f"GEMM {g.name} {g.m} x {g.n} x {g.k} {exp.model.precision}"
+        out.append(Candidate(label, exp, bench=g))
+    m, p = exp.model, exp.plan
+    for a in target_attention(exp):
+        shape = f"batch {p.microbatch}, seq {m.seq_len // p.cp}, heads {m.heads // p.tp}"
+        label = f"fused {a.name}, {shape}, kv heads {max(m.kv_heads // p.tp, 1)}"
+        out.append(Candidate(label, exp, bench=a))
+    for c in target_collectives(exp):
+        nodes = c.size // c.per_node
+        where = f"{nodes} node{'s' if nodes > 1 else ''}"
+        label = f"{c.op} {c.msg_bytes / 2**20:.4g} MiB over {c.size} GPUs, {where} ({c.name})"
+        out.append(Candidate(label, exp, bench=c))
+    return out
+
+
+def _log_time_jacobian(cand: Candidate, params: Params, temperature: float):
+    """(seconds, ``d log t / d raw``, fits in memory) of one candidate."""
+    if isinstance(cand.bench, Gemm):
+        log_t, jac = gemm_log_time_jacobian(cand.experiment, cand.bench, params, temperature)
+        return float(np.exp(log_t)), jac, True
+    if isinstance(cand.bench, Attention):
+        log_t, jac = attention_log_time_jacobian(cand.experiment, cand.bench, params, temperature)
+        return float(np.exp(log_t)), jac, True
+    if isinstance(cand.bench, Collective):
+        log_t, jac = collective_log_time_jacobian(cand.experiment, cand.bench, params, temperature)
+        return float(np.exp(log_t)), jac, True
+    out, jac = log_time_jacobian(*experiment_arrays(cand.experiment), params, temperature)
+    return float(out.iteration_s), jac, STATUS_NAMES[int(out.status)] == "ok"
+
+
 def _price(cands: Sequence[Candidate], params: Params, temperature: float):
-    """(kept candidates, their Jacobians [m, n], iteration times): those that fit in memory."""
+    """(kept candidates, their Jacobians [m, n], times): those that fit in memory."""
     kept, jacs, times = [], [], []
     for cand in cands:
-        out, jac = log_time_jacobian(*experiment_arrays(cand.experiment), params, temperature)
-        t = float(out.iteration_s)
-        if STATUS_NAMES[int(out.status)] != "ok" or not math.isfinite(t):
-            continue
-        kept.append(cand)
-        jacs.append(np.asarray(jac, dtype=float))
-        times.append(t)
+        t, jac, fits = _log_time_jacobian(cand, params, temperature)
+        if fits and math.isfinite(t):
+            kept.append(cand)
+            jacs.append(np.asarray(jac, dtype=float))
+            times.append(t)
     return kept, np.asarray(jacs).reshape(len(kept), len(SCALAR_NAMES)), np.asarray(times)
 
 
@@ -262,6 +323,7 @@ def suggest(
     unc: Uncertainty,
     budget: int = 3,
     candidates: Sequence[Candidate] | None = None,
+    microbenchmarks: bool = True,
     stack_seen: bool | None = None,
     noise_sd: float | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
@@ -273,7 +335,9 @@ def suggest(
         params: the constants (``diffcost.profiles.params_for``).
         unc: their posterior (``diffcost.profiles.uncertainty_for``).
         budget: how many to suggest (fewer when fewer candidates are valid).
-        candidates: what could be measured; None for ``candidate_runs(exp)``.
+        candidates: what could be measured; None for ``candidate_runs(exp)`` and, with
+            ``microbenchmarks``, ``candidate_microbenchmarks(exp)``.
+        microbenchmarks: whether the default candidates include microbenchmarks.
         stack_seen: whether the target's stack is seen (adds the stack spread when not);
             None for ``unc.stack_seen(exp.stack)``.
         noise_sd: a measurement's log-space noise; None for ``unc.residual_sd``.
@@ -291,12 +355,21 @@ def suggest(
     out, target_j = log_time_jacobian(*experiment_arrays(exp), params, temperature)
     target_j = np.asarray(target_j, dtype=float)
     now = spread(target_j, unc, seen)
-    cands = candidate_runs(exp) if candidates is None else list(candidates)
+    if candidates is None:
+        micro = candidate_microbenchmarks(exp) if microbenchmarks else []
+        candidates = candidate_runs(exp) + micro
+    cands = list(candidates)
     kept, jacs, times = _price(cands, params, temperature)
     noise = unc.residual_sd if noise_sd is None else noise_sd
-    gpus = np.array([c.experiment.plan.n_gpus for c in kept], dtype=float)
-    picks = greedy_design(target_j, jacs, unc.cov, noise**2, budget, times * gpus) if kept else []
-    fixed = now.residual_sd**2 + now.stack_sd**2  # no measurement moves these
+    gpus = np.array([c.n_gpus for c in kept], dtype=float)
+    # the stack's offset: one more unknown, shared by the target and every run on its stack
+    cov = np.zeros((len(SCALAR_NAMES) + 1,) * 2)
+    cov[:-1, :-1], cov[-1, -1] = unc.cov, now.stack_sd**2
+    on_stack = np.array([[float(c.kind == "run")] for c in kept]).reshape(len(kept), 1)
+    jacs = np.hstack([jacs, on_stack])
+    target_j = np.append(target_j, 1.0)
+    picks = greedy_design(target_j, jacs, cov, noise**2, budget, times * gpus) if kept else []
+    fixed = now.residual_sd**2  # no measurement moves it
     before = now.log_sd
     suggestions = []
     for i, var in picks:

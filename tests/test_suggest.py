@@ -9,10 +9,16 @@ import numpy as np
 import pytest
 
 from diffcost import cli, profiles
+from diffcost import microbench as mb
 from diffcost import suggest as sg
 from diffcost.api import experiment_arrays, load, params_for
 from diffcost.params import SCALAR_NAMES
-from diffcost.uncertainty import log_time_jacobian, prior_uncertainty
+from diffcost.uncertainty import (
+    log_time_jacobian,
+    prior_uncertainty,
+    raw_scalars,
+    with_raw_scalars,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "configs" / "examples" / "gpt-1b-vtrain.yaml")
@@ -89,7 +95,7 @@ def test_suggest_on_an_example():
     exp = load(EXAMPLE)
     params, _ = params_for(exp)
     unc = profiles.uncertainty_for(exp.cluster)
-    design = sg.suggest(exp, params, unc, budget=4)
+    design = sg.suggest(exp, params, unc, budget=4, microbenchmarks=False)
     assert design.n_candidates >= 4
     picked = [s.candidate.label for s in design.suggestions]
     assert len(picked) == 4 and len(set(picked)) == 4
@@ -101,13 +107,55 @@ def test_suggest_on_an_example():
     assert widths[-1] >= sg.width_pct(unc.residual_sd) - 1e-9  # the residual spread stays
     for s in design.suggestions:
         run = s.candidate.experiment
-        assert run.plan.n_gpus in (8, 16) and run.model.n_layers < exp.model.n_layers
+        assert (
+            s.candidate.kind == "run"
+            and run.plan.n_gpus in (8, 16)
+            and run.model.n_layers < exp.model.n_layers
+        )
         assert s.gpu_s == pytest.approx(s.iteration_s * run.plan.n_gpus)
         # the overrides reproduce the run through the config loader (its plan checks included)
         again = load(EXAMPLE, s.candidate.overrides)
         assert again.plan == run.plan and again.model.n_layers == run.model.n_layers
     with pytest.raises(ValueError, match="budget"):
         sg.suggest(exp, params, unc, budget=0)
+
+
+def test_an_unseen_stack_is_narrowed_by_runs_not_by_microbenchmarks():
+    exp = load(EXAMPLE)
+    params, _ = params_for(exp)
+    unc = profiles.uncertainty_for(exp.cluster).replace(stack_sd=0.15)
+    with_stack = sg.width_pct(np.hypot(unc.residual_sd, unc.stack_sd))
+    micro = sg.candidate_microbenchmarks(exp)
+    assert {c.kind for c in micro} == {"gemm", "attention", "collective"}
+    only_micro = sg.suggest(exp, params, unc, budget=3, candidates=micro, stack_seen=False)
+    assert only_micro.suggestions[-1].width_after_pct >= with_stack
+    design = sg.suggest(exp, params, unc, budget=1, stack_seen=False)
+    assert design.suggestions[0].candidate.kind == "run"
+    assert design.suggestions[0].width_after_pct < 0.5 * with_stack
+
+
+@pytest.mark.parametrize("kind", ["gemm", "attention", "collective"])
+def test_microbenchmark_jacobians_match_finite_differences(kind):
+    exp = load(EXAMPLE)
+    params, _ = params_for(exp)
+    cand = next(c for c in sg.candidate_microbenchmarks(exp) if c.kind == kind)
+    fn = {
+        "gemm": mb.gemm_log_time_jacobian,
+        "attention": mb.attention_log_time_jacobian,
+        "collective": mb.collective_log_time_jacobian,
+    }[kind]
+    _, jac = fn(exp, cand.bench, params)
+    jac = np.asarray(jac)
+    assert np.abs(jac).max() > 0.05
+    raw = np.asarray(raw_scalars(params))
+    step = 1e-5
+    for k in np.argsort(np.abs(jac))[::-1][:3]:  # the three largest entries
+        plus, minus = raw.copy(), raw.copy()
+        plus[k] += step
+        minus[k] -= step
+        hi = fn(exp, cand.bench, with_raw_scalars(params, plus))[0]
+        lo = fn(exp, cand.bench, with_raw_scalars(params, minus))[0]
+        assert jac[k] == pytest.approx((hi - lo) / (2 * step), rel=1e-4, abs=1e-8)
 
 
 def test_candidates_are_valid_slices():
@@ -127,6 +175,7 @@ def test_cli_suggest_json(capsys):
     assert cli.main(["suggest", EXAMPLE, "--budget", "2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"target", "suggestions", "n_candidates"}
+    assert {s["kind"] for s in d["suggestions"]} <= {"run", "gemm", "attention", "collective"}
     assert d["target"]["iteration_s"] > 0 and len(d["suggestions"]) == 2
     first = d["suggestions"][0]
     assert first["gpu_s"] == pytest.approx(first["iteration_s"] * first["n_gpus"])
@@ -134,8 +183,8 @@ def test_cli_suggest_json(capsys):
 
 
 def test_cli_suggest_table_and_bad_budget(capsys):
-    assert cli.main(["suggest", EXAMPLE, "--budget", "1"]) == 0
+    assert cli.main(["suggest", EXAMPLE, "--budget", "1", "--runs-only"]) == 0
     out = capsys.readouterr().out
-    assert "runs to measure" in out and "diffcost predict" in out
+    assert "what to measure" in out and "diffcost predict" in out
     assert cli.main(["suggest", EXAMPLE, "--budget", "0"]) == 2
     assert "--budget 0: must be at least 1" in capsys.readouterr().err

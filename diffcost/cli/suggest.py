@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 
 from rich.console import Console
 
@@ -28,14 +27,22 @@ def register(subparsers) -> None:
     """
     p = subparsers.add_parser(
         "suggest",
-        help="which short runs to measure to narrow a prediction's interval",
+        help="which short runs and microbenchmarks to measure to narrow a prediction's interval",
         description="Rank short end-to-end runs of slices of the target's model (fewer layers, "
-        "1-2 nodes of its cluster, valid tp/pp/dp layouts) by how much measuring them would "
-        "shrink the target's predictive variance under the profile's calibration posterior, "
-        "and print the best BUDGET of them, picked greedily (each given the earlier ones).",
+        "1-2 nodes of its cluster, valid tp/pp/dp layouts) and microbenchmarks of its kernels "
+        "and collectives (its layer's GEMMs, fused attention, tensor- and data-parallel "
+        "collectives at their message sizes) by how much measuring them would shrink the "
+        "target's predictive variance under the profile's calibration posterior (and, for an "
+        "unseen stack, the stack's offset, which only runs on that stack measure), and print "
+        "the best BUDGET of them, picked greedily (each given the earlier ones).",
     )
     common.add_experiment_arguments(p)
-    p.add_argument("--budget", type=int, default=3, help="how many runs to suggest (default 3)")
+    p.add_argument("--budget", type=int, default=3, help="how many to suggest (default 3)")
+    p.add_argument(
+        "--runs-only",
+        action="store_true",
+        help="suggest end-to-end runs only (no GEMM, attention or collective microbenchmarks)",
+    )
     common.add_json_argument(p)
     common.add_profile_argument(p)
     p.add_argument(
@@ -75,10 +82,10 @@ def design_dict(design: Design, config: str, overrides) -> dict:
     rows = [
         {
             "rank": k + 1,
+            "kind": g.candidate.kind,
             "run": g.candidate.label,
             "overrides": list(g.candidate.overrides),
-            "n_gpus": g.candidate.experiment.plan.n_gpus,
-            "n_layers": g.candidate.experiment.model.n_layers,
+            "n_gpus": g.candidate.n_gpus,
             "iteration_s": g.iteration_s,
             "gpu_s": g.gpu_s,
             "target_width_before_pct": g.width_before_pct,
@@ -100,7 +107,7 @@ def print_design(d: dict) -> None:
     console.print(
         f"target [bold]{t['model']}[/] on [bold]{t['cluster']}[/], {t['n_gpus']} GPUs: "
         f"{t['iteration_s']:.4g} s, 80% interval {t['width_pct']:.1f}% wide "
-        f"({d['n_candidates']} candidate runs priced)"
+        f"({d['n_candidates']} candidates priced)"
     )
     rows = [
         (
@@ -113,16 +120,17 @@ def print_design(d: dict) -> None:
         for s in d["suggestions"]
     ]
     columns = ("#", "run", "s/iter", "GPU-s/iter", "target width")
-    table = common.make_table("runs to measure, best first", columns, rows, right=columns[2:])
+    table = common.make_table("what to measure, best first", columns, rows, right=columns[2:])
     console.print(table)
     config = " ".join([t["config"], *t["overrides"]])
     for s in d["suggestions"]:
-        console.print(f"#{s['rank']}: diffcost predict {config} {' '.join(s['overrides'])}")
+        if s["kind"] == "run":
+            console.print(f"#{s['rank']}: diffcost predict {config} {' '.join(s['overrides'])}")
     if d["suggestions"]:
-        floor = width_pct(math.hypot(t["residual_sd"], t["stack_sd"]))
+        floor = width_pct(t["residual_sd"])
         console.print(
-            f"the residual (and stack) spread alone gives a {floor:.1f}% wide interval: "
-            "no measurement narrows it below that here"
+            f"the model's residual spread alone gives a {floor:.1f}% wide interval: "
+            "no measurement narrows it below that"
         )
 
 
@@ -146,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
         exp = dataclasses.replace(exp, stack=stack)
     params, _ = params_for(exp, args.profile)
     unc = profiles.uncertainty_for(exp.cluster, args.profile)
-    design = suggest(exp, params, unc, args.budget, stack_seen=unc.stack_seen(stack))
+    seen = unc.stack_seen(stack)
+    design = suggest(
+        exp, params, unc, args.budget, microbenchmarks=not args.runs_only, stack_seen=seen
+    )
     d = design_dict(design, args.config, args.overrides)
     if args.json:
         common.print_json(d)
