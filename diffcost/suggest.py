@@ -8,7 +8,8 @@ A target's log iteration time has predictive variance
 
 with ``J`` its Jacobian ``d log T / d raw`` over ``diffcost.params.SCALAR_NAMES`` and ``Sigma``
 their posterior covariance. Measuring a candidate with Jacobian ``j`` is one more observation
-of ``log T_c`` with noise variance ``s^2`` (the profile's ``residual_sd^2``). Bayes' rule for a
+of ``log T_c`` with noise variance ``s^2`` (the profile's ``residual_sd^2`` unless the caller
+says otherwise, for runs and microbenchmarks apart). Bayes' rule for a
 linear-Gaussian observation updates the covariance by a rank-one term,
 
     Sigma' = Sigma - (Sigma j^T)(j Sigma) / (j Sigma j^T + s^2),
@@ -102,14 +103,14 @@ class Suggestion:
 
     Attributes:
         candidate: what to run.
-        iteration_s: its predicted time per iteration.
-        gpu_s: its predicted cost per iteration, ``iteration_s`` times its GPU count.
+        time_s: its predicted time per iteration (a run) or per call (a microbenchmark).
+        gpu_s: its predicted cost, ``time_s`` times its GPU count.
         log_sd_before, log_sd_after: the target's predictive log-space sd before and after
             measuring it (after the earlier suggestions).
     """
 
     candidate: Candidate
-    iteration_s: float
+    time_s: float
     gpu_s: float
     log_sd_before: float
     log_sd_after: float
@@ -177,7 +178,7 @@ def condition(cov, cand_j, noise_var: float) -> np.ndarray:
 
 
 def greedy_design(
-    target_j, cand_js, cov, noise_var: float, budget: int, costs: Sequence[float] | None = None
+    target_j, cand_js, cov, noise_var, budget: int, costs: Sequence[float] | None = None
 ) -> list[tuple[int, float]]:
     """Pick ``budget`` distinct candidates greedily (see the module docstring).
 
@@ -185,7 +186,7 @@ def greedy_design(
         target_j: ``[n]`` the target's Jacobian.
         cand_js: ``[m, n]`` the candidates' Jacobians.
         cov: ``[n, n]`` the posterior covariance.
-        noise_var: a measurement's noise variance (log space).
+        noise_var: a measurement's noise variance (log space): one for all, or ``[m]``.
         budget: how many to pick (at most ``m`` are).
         costs: per candidate, what breaks ties (lower first); None: the first candidate.
 
@@ -197,15 +198,16 @@ def greedy_design(
     cand_js = np.asarray(cand_js, dtype=float).reshape(len(cand_js), -1)
     costs = np.zeros(len(cand_js)) if costs is None else np.asarray(costs, dtype=float)
     cov = np.asarray(cov, dtype=float)
+    noise = np.broadcast_to(np.asarray(noise_var, dtype=float), (len(cand_js),))
     left = list(range(len(cand_js)))
     picks = []
     for _ in range(min(budget, len(left))):
-        after = np.array([variance_after(target_j, cand_js[i], cov, noise_var) for i in left])
+        after = np.array([variance_after(target_j, cand_js[i], cov, noise[i]) for i in left])
         best = after.min()
         near = [k for k, a in enumerate(after) if a <= best + TIE_TOL * max(best, 1e-300)]
         k = min(near, key=lambda k: costs[left[k]])
         i = left.pop(k)
-        cov = condition(cov, cand_js[i], noise_var)
+        cov = condition(cov, cand_js[i], noise[i])
         picks.append((i, float(after[k])))
     return picks
 
@@ -326,6 +328,7 @@ def suggest(
     microbenchmarks: bool = True,
     stack_seen: bool | None = None,
     noise_sd: float | None = None,
+    micro_noise_sd: float | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
 ) -> Design:
     """The ``budget`` measurements that shrink ``exp``'s predictive variance most.
@@ -340,7 +343,9 @@ def suggest(
         microbenchmarks: whether the default candidates include microbenchmarks.
         stack_seen: whether the target's stack is seen (adds the stack spread when not);
             None for ``unc.stack_seen(exp.stack)``.
-        noise_sd: a measurement's log-space noise; None for ``unc.residual_sd``.
+        noise_sd: a run's log-space noise; None for ``unc.residual_sd``.
+        micro_noise_sd: a microbenchmark's log-space noise (how far the model's kernel or
+            collective time is from a measured one at known constants); None for ``noise_sd``.
         temperature: smoothness of the model, as in ``simulate``.
 
     Returns:
@@ -361,6 +366,8 @@ def suggest(
     cands = list(candidates)
     kept, jacs, times = _price(cands, params, temperature)
     noise = unc.residual_sd if noise_sd is None else noise_sd
+    micro = noise if micro_noise_sd is None else micro_noise_sd
+    noise_var = np.array([(noise if c.kind == "run" else micro) ** 2 for c in kept])
     gpus = np.array([c.n_gpus for c in kept], dtype=float)
     # the stack's offset: one more unknown, shared by the target and every run on its stack
     cov = np.zeros((len(SCALAR_NAMES) + 1,) * 2)
@@ -368,7 +375,7 @@ def suggest(
     on_stack = np.array([[float(c.kind == "run")] for c in kept]).reshape(len(kept), 1)
     jacs = np.hstack([jacs, on_stack])
     target_j = np.append(target_j, 1.0)
-    picks = greedy_design(target_j, jacs, cov, noise**2, budget, times * gpus) if kept else []
+    picks = greedy_design(target_j, jacs, cov, noise_var, budget, times * gpus) if kept else []
     fixed = now.residual_sd**2  # no measurement moves it
     before = now.log_sd
     suggestions = []

@@ -112,7 +112,7 @@ def test_suggest_on_an_example():
             and run.plan.n_gpus in (8, 16)
             and run.model.n_layers < exp.model.n_layers
         )
-        assert s.gpu_s == pytest.approx(s.iteration_s * run.plan.n_gpus)
+        assert s.gpu_s == pytest.approx(s.time_s * run.plan.n_gpus)
         # the overrides reproduce the run through the config loader (its plan checks included)
         again = load(EXAMPLE, s.candidate.overrides)
         assert again.plan == run.plan and again.model.n_layers == run.model.n_layers
@@ -178,7 +178,7 @@ def test_cli_suggest_json(capsys):
     assert {s["kind"] for s in d["suggestions"]} <= {"run", "gemm", "attention", "collective"}
     assert d["target"]["iteration_s"] > 0 and len(d["suggestions"]) == 2
     first = d["suggestions"][0]
-    assert first["gpu_s"] == pytest.approx(first["iteration_s"] * first["n_gpus"])
+    assert first["gpu_s"] == pytest.approx(first["time_s"] * first["n_gpus"])
     assert first["target_width_after_pct"] <= first["target_width_before_pct"]
 
 
@@ -188,3 +188,15 @@ def test_cli_suggest_table_and_bad_budget(capsys):
     assert "what to measure" in out and "diffcost predict" in out
     assert cli.main(["suggest", EXAMPLE, "--budget", "0"]) == 2
     assert "--budget 0: must be at least 1" in capsys.readouterr().err
+    assert cli.main(["suggest", EXAMPLE, "--micro-noise-sd", "-1"]) == 2
+    assert "--micro-noise-sd -1.0: must be a positive number" in capsys.readouterr().err
+
+
+def test_noisier_microbenchmarks_shrink_the_target_less():
+    exp = load(EXAMPLE)
+    params, _ = params_for(exp)
+    unc = profiles.uncertainty_for(exp.cluster)
+    micro = sg.candidate_microbenchmarks(exp)
+    sharp = sg.suggest(exp, params, unc, budget=2, candidates=micro, micro_noise_sd=0.01)
+    blunt = sg.suggest(exp, params, unc, budget=2, candidates=micro, micro_noise_sd=0.2)
+    assert blunt.suggestions[-1].log_sd_after > sharp.suggestions[-1].log_sd_after

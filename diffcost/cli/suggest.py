@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from rich.console import Console
 
@@ -15,6 +16,7 @@ from diffcost import config as config_mod
 from diffcost import profiles
 from diffcost.api import params_for
 from diffcost.cli import common
+from diffcost.config import ConfigError
 from diffcost.stacks import STACK_NAMES, canonical
 from diffcost.suggest import Design, suggest, width_pct
 
@@ -43,6 +45,13 @@ def register(subparsers) -> None:
         action="store_true",
         help="suggest end-to-end runs only (no GEMM, attention or collective microbenchmarks)",
     )
+    p.add_argument(
+        "--micro-noise-sd",
+        type=float,
+        metavar="SD",
+        help="log-space noise of a microbenchmark against the model (e.g. 0.1 for 10%%); "
+        "default: the profile's end-to-end residual spread, as for runs",
+    )
     common.add_json_argument(p)
     common.add_profile_argument(p)
     p.add_argument(
@@ -63,7 +72,9 @@ def design_dict(design: Design, config: str, overrides) -> dict:
         overrides: the target's ``key=value`` overrides.
 
     Returns:
-        ``{"target": {...}, "suggestions": [...], "n_candidates"}`` in plain Python values.
+        ``{"target": {...}, "suggestions": [...], "n_candidates"}`` in plain Python values;
+        a suggestion's ``time_s`` is one iteration of a run or one call of a microbenchmark,
+        ``gpu_s`` that times its GPUs.
     """
     exp, s = design.target, design.spread
     target = {
@@ -83,10 +94,10 @@ def design_dict(design: Design, config: str, overrides) -> dict:
         {
             "rank": k + 1,
             "kind": g.candidate.kind,
-            "run": g.candidate.label,
+            "what": g.candidate.label,
             "overrides": list(g.candidate.overrides),
             "n_gpus": g.candidate.n_gpus,
-            "iteration_s": g.iteration_s,
+            "time_s": g.time_s,
             "gpu_s": g.gpu_s,
             "target_width_before_pct": g.width_before_pct,
             "target_width_after_pct": g.width_after_pct,
@@ -112,14 +123,14 @@ def print_design(d: dict) -> None:
     rows = [
         (
             str(s["rank"]),
-            s["run"],
-            f"{s['iteration_s']:.3g}",
+            s["what"],
+            f"{s['time_s']:.3g}",
             f"{s['gpu_s']:.3g}",
             f"{s['target_width_before_pct']:.2f}% -> {s['target_width_after_pct']:.2f}%",
         )
         for s in d["suggestions"]
     ]
-    columns = ("#", "run", "s/iter", "GPU-s/iter", "target width")
+    columns = ("#", "what", "seconds", "GPU-seconds", "target width")
     table = common.make_table("what to measure, best first", columns, rows, right=columns[2:])
     console.print(table)
     config = " ".join([t["config"], *t["overrides"]])
@@ -148,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         diffcost.profiles.ProfileError: a bad ``--profile``.
     """
     common.check_at_least("--budget", args.budget, 1)
+    micro = args.micro_noise_sd
+    if micro is not None and not (math.isfinite(micro) and micro > 0):
+        raise ConfigError(f"--micro-noise-sd {micro}: must be a positive number (log space)")
     exp = config_mod.load_experiment(args.config, args.overrides)
     stack = canonical(args.stack) or exp.stack
     if stack in STACK_NAMES:
@@ -155,9 +169,8 @@ def run(args: argparse.Namespace) -> int:
     params, _ = params_for(exp, args.profile)
     unc = profiles.uncertainty_for(exp.cluster, args.profile)
     seen = unc.stack_seen(stack)
-    design = suggest(
-        exp, params, unc, args.budget, microbenchmarks=not args.runs_only, stack_seen=seen
-    )
+    kw = {"microbenchmarks": not args.runs_only, "micro_noise_sd": micro, "stack_seen": seen}
+    design = suggest(exp, params, unc, args.budget, **kw)
     d = design_dict(design, args.config, args.overrides)
     if args.json:
         common.print_json(d)
