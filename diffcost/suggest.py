@@ -21,16 +21,19 @@ is one more unknown, appended to the constants with Jacobian 1 for the target an
 candidate run (same cluster, same stack) and 0 for a microbenchmark, whose kernel or
 collective no stack changes. ``greedy_design`` picks ``budget`` candidates one at a time, each
 the one that leaves the target the smallest variance given those already picked (ties go to
-the cheaper run), updating ``Sigma`` after each pick. The variance reduction is submodular in
-the picks for one target, so greedy selection is within ``1 - 1/e`` of the best set (Krause &
-Guestrin, "Near-optimal nonmyopic value of information in graphical models", 2005).
+the cheaper run), updating ``Sigma`` after each pick. Greedy selection is not guaranteed to
+find the best set: a single target's variance reduction is submodular only without
+"suppressor" observations (Das & Kempe, "Algorithms for subset selection in linear
+regression", STOC 2008); its guarantee degrades with their submodularity ratio.
 
-The candidates (``candidate_runs``) are short end-to-end runs of slices of the target's model on
+The candidates: ``candidate_runs``, short end-to-end runs of slices of the target's model on
 one or two nodes of its cluster: fewer layers (``LAYERS_PER_STAGE`` per pipeline stage), every
 tensor/pipeline/data layout that fills the nodes with at most ``MAX_STAGES`` stages, the
 target's microbatch, sequence length, context parallelism, ZeRO stage and recompute, and every
-plan rule of ``diffcost.constraints`` satisfied. A candidate that would not fit in memory is
-dropped once predicted. Each is priced by its predicted iteration time times its GPU count.
+plan rule of ``diffcost.constraints`` satisfied (one that would not fit in memory is dropped
+once predicted); and ``candidate_microbenchmarks``, the target layer's GEMMs, fused attention
+and collectives (``diffcost.microbench``). Each is priced by its predicted time (an iteration
+or a call) times its GPUs. docs/calibration.md, "Which runs to measure", has the figures.
 """
 
 from __future__ import annotations
