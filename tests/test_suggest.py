@@ -12,6 +12,7 @@ from diffcost import cli, profiles
 from diffcost import microbench as mb
 from diffcost import suggest as sg
 from diffcost.api import experiment_arrays, load, params_for
+from diffcost.cli.suggest import merged
 from diffcost.params import SCALAR_NAMES
 from diffcost.uncertainty import (
     log_time_jacobian,
@@ -174,12 +175,31 @@ def test_candidates_are_valid_slices():
 def test_cli_suggest_json(capsys):
     assert cli.main(["suggest", EXAMPLE, "--budget", "2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert set(d) == {"target", "suggestions", "n_candidates"}
+    assert set(d) == {"target", "suggestions", "n_candidates", "noise_sd"}
     assert {s["kind"] for s in d["suggestions"]} <= {"run", "gemm", "attention", "collective"}
     assert d["target"]["iteration_s"] > 0 and len(d["suggestions"]) == 2
     first = d["suggestions"][0]
     assert first["gpu_s"] == pytest.approx(first["time_s"] * first["n_gpus"])
     assert first["target_width_after_pct"] <= first["target_width_before_pct"]
+
+
+def test_suggested_runs_reproduce_from_a_target_with_overrides(capsys):
+    target = ["plan.tp=4", "plan.dp=1", "plan.microbatch=2", "plan.global_batch=32"]
+    argv = ["suggest", EXAMPLE, *target, "--budget", "3", "--runs-only", "--json"]
+    assert cli.main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    exp = load(EXAMPLE, target)
+    for s in d["suggestions"]:
+        run = load(EXAMPLE, merged(target, s["overrides"]))
+        assert run.plan.n_gpus == s["n_gpus"] and run.plan.microbatch == 2
+        assert run.model.n_layers < exp.model.n_layers
+        # the run loaded from the printed overrides is the run that was priced
+        again = sg.suggest(exp, *_constants(exp), budget=1, candidates=[sg.Candidate("c", run)])
+        assert again.suggestions[0].time_s == pytest.approx(s["time_s"], rel=1e-9)
+
+
+def _constants(exp):
+    return params_for(exp)[0], profiles.uncertainty_for(exp.cluster)
 
 
 def test_cli_suggest_table_and_bad_budget(capsys):
@@ -190,6 +210,8 @@ def test_cli_suggest_table_and_bad_budget(capsys):
     assert "--budget 0: must be at least 1" in capsys.readouterr().err
     assert cli.main(["suggest", EXAMPLE, "--micro-noise-sd", "-1"]) == 2
     assert "--micro-noise-sd -1.0: must be a positive number" in capsys.readouterr().err
+    assert cli.main(["suggest", EXAMPLE, "--noise-sd", "nan"]) == 2
+    assert "--noise-sd nan: must be a positive number" in capsys.readouterr().err
 
 
 def test_noisier_microbenchmarks_shrink_the_target_less():

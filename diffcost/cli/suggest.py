@@ -46,6 +46,13 @@ def register(subparsers) -> None:
         help="suggest end-to-end runs only (no GEMM, attention or collective microbenchmarks)",
     )
     p.add_argument(
+        "--noise-sd",
+        type=float,
+        metavar="SD",
+        help="log-space noise of a run against the model; default: the profile's end-to-end "
+        "residual spread",
+    )
+    p.add_argument(
         "--micro-noise-sd",
         type=float,
         metavar="SD",
@@ -72,7 +79,8 @@ def design_dict(design: Design, config: str, overrides) -> dict:
         overrides: the target's ``key=value`` overrides.
 
     Returns:
-        ``{"target": {...}, "suggestions": [...], "n_candidates"}`` in plain Python values;
+        ``{"target": {...}, "suggestions": [...], "n_candidates"}`` in plain Python values
+        (``run`` adds ``noise_sd``, a run's noise);
         a suggestion's ``time_s`` is one iteration of a run or one call of a microbenchmark,
         ``gpu_s`` that times its GPUs.
     """
@@ -107,6 +115,13 @@ def design_dict(design: Design, config: str, overrides) -> dict:
     return {"target": target, "suggestions": rows, "n_candidates": design.n_candidates}
 
 
+def merged(base, top) -> list[str]:
+    """``key=value`` overrides ``base`` then ``top``, without the ``base`` entries whose key
+    ``top`` sets again."""
+    keys = {o.partition("=")[0] for o in top}
+    return [o for o in base if o.partition("=")[0] not in keys] + list(top)
+
+
 def print_design(d: dict) -> None:
     """Print the target's line, the suggestions table and how the width ends.
 
@@ -133,10 +148,15 @@ def print_design(d: dict) -> None:
     columns = ("#", "what", "seconds", "GPU-seconds", "target width")
     table = common.make_table("what to measure, best first", columns, rows, right=columns[2:])
     console.print(table)
-    config = " ".join([t["config"], *t["overrides"]])
     for s in d["suggestions"]:
         if s["kind"] == "run":
-            console.print(f"#{s['rank']}: diffcost predict {config} {' '.join(s['overrides'])}")
+            line = " ".join([t["config"], *merged(t["overrides"], s["overrides"])])
+            console.print(f"#{s['rank']}: diffcost predict {line}")
+    if not d["noise_sd"]:
+        console.print(
+            "warning: the profile gives no residual spread, so every measurement counts as "
+            "exact; pass --noise-sd (e.g. 0.03 for 3%)"
+        )
     if d["suggestions"]:
         floor = width_pct(t["residual_sd"])
         console.print(
@@ -159,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
         diffcost.profiles.ProfileError: a bad ``--profile``.
     """
     common.check_at_least("--budget", args.budget, 1)
-    micro = args.micro_noise_sd
-    if micro is not None and not (math.isfinite(micro) and micro > 0):
-        raise ConfigError(f"--micro-noise-sd {micro}: must be a positive number (log space)")
+    for flag, value in (("--noise-sd", args.noise_sd), ("--micro-noise-sd", args.micro_noise_sd)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value}: must be a positive number (log space)")
     exp = config_mod.load_experiment(args.config, args.overrides)
     stack = canonical(args.stack) or exp.stack
     if stack in STACK_NAMES:
@@ -169,9 +189,10 @@ def run(args: argparse.Namespace) -> int:
     params, _ = params_for(exp, args.profile)
     unc = profiles.uncertainty_for(exp.cluster, args.profile)
     seen = unc.stack_seen(stack)
-    kw = {"microbenchmarks": not args.runs_only, "micro_noise_sd": micro, "stack_seen": seen}
-    design = suggest(exp, params, unc, args.budget, **kw)
+    kw = {"noise_sd": args.noise_sd, "micro_noise_sd": args.micro_noise_sd, "stack_seen": seen}
+    design = suggest(exp, params, unc, args.budget, microbenchmarks=not args.runs_only, **kw)
     d = design_dict(design, args.config, args.overrides)
+    d["noise_sd"] = unc.residual_sd if args.noise_sd is None else args.noise_sd
     if args.json:
         common.print_json(d)
     else:
