@@ -284,7 +284,8 @@ def candidate_microbenchmarks(exp: Experiment) -> list[Candidate]:
         out.append(Candidate(label, exp, bench=g))
     m, p = exp.model, exp.plan
     for a in target_attention(exp):
-        shape = f"batch {p.microbatch}, seq {m.seq_len // p.cp}, heads {m.heads // p.tp}"
+        seq = f"seq {m.seq_len // p.cp}" + (f" of {m.seq_len} (cp {p.cp})" if p.cp > 1 else "")
+        shape = f"batch {p.microbatch}, {seq}, heads {m.heads // p.tp}"
         label = f"fused {a.name}, {shape}, kv heads {max(m.kv_heads // p.tp, 1)}"
         out.append(Candidate(label, exp, bench=a))
     for c in target_collectives(exp):
