@@ -311,8 +311,11 @@ def _log_time_jacobian(cand: Candidate, params: Params, temperature: float):
     return float(out.iteration_s), jac, STATUS_NAMES[int(out.status)] == "ok"
 
 
-def _price(cands: Sequence[Candidate], params: Params, temperature: float):
-    """(kept candidates, their Jacobians [m, n], times): those that fit in memory."""
+def price(
+    cands: Sequence[Candidate], params: Params, temperature: float = smooth.DEFAULT_TEMPERATURE
+):
+    """(kept candidates, their Jacobians ``[m, n]`` over ``SCALAR_NAMES``, their times in
+    seconds): the candidates that fit in memory, priced."""
     kept, jacs, times = [], [], []
     for cand in cands:
         t, jac, fits = _log_time_jacobian(cand, params, temperature)
@@ -368,7 +371,7 @@ def suggest(
         micro = candidate_microbenchmarks(exp) if microbenchmarks else []
         candidates = candidate_runs(exp) + micro
     cands = list(candidates)
-    kept, jacs, times = _price(cands, params, temperature)
+    kept, jacs, times = price(cands, params, temperature)
     noise = unc.residual_sd if noise_sd is None else noise_sd
     micro = noise if micro_noise_sd is None else micro_noise_sd
     noise_var = np.array([(noise if c.kind == "run" else micro) ** 2 for c in kept])
