@@ -10,7 +10,8 @@ the offset plus noise ``N(0, residual_sd^2)``. The K runs ``suggest`` picks (fix
 draw) and K runs drawn at random from the same candidates are each "measured", the constants
 updated by one linear-Gaussian Bayes step at the profile's values, and the target predicted.
 Reported per target: the RMS log error of the target's prediction (against its noiseless true
-log time) with no run, the K suggested runs, and K random runs, over the trials.
+log time) with no run, the K suggested runs, and K random runs, over the trials; with no run
+also what the linearization expects (``J`` times the draw) and the mean log error.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def check(config: str, trials: int, budget: int, seed: int = 0) -> dict:
     noise = unc.residual_sd**2
     root, raw0 = _sqrt_psd(unc.cov), np.asarray(raw_scalars(params))
     rng = np.random.default_rng(seed)
-    errs = {"none": [], "suggested": [], "random": []}
+    errs = {"none": [], "none_linear": [], "suggested": [], "random": []}
     for _ in range(trials):
-        raw = raw0 + root @ rng.normal(size=n)
+        step = root @ rng.normal(size=n)
+        raw = raw0 + step
         offset = stack_sd * rng.normal()
         truth = with_raw_scalars(params, raw)
         true_t = _log_time(exp, truth)[0] + offset
         errs["none"].append(base_t - true_t)
+        errs["none_linear"].append(-(jac_t @ step + offset))
         chosen = {"suggested": picked, "random": list(rng.choice(len(fitting), budget, False))}
         for name, idx in chosen.items():
             y = np.array([_log_time(fitting[i].experiment, truth)[0] for i in idx]) + offset
@@ -83,6 +86,7 @@ def check(config: str, trials: int, budget: int, seed: int = 0) -> dict:
         "budget": budget,
         "picked": [fitting[i].label for i in picked],
         **{f"rms_log_error_{k}": v for k, v in rms.items()},
+        "mean_log_slower_none": -float(np.mean(errs["none"])),  # truth above the prediction
     }
 
 
@@ -100,7 +104,9 @@ def main(argv=None) -> int:
         return 0
     for r in rows:
         print(
-            f"{r['config']}: RMS log error none {r['rms_log_error_none']:.4f}, "
+            f"{r['config']}: RMS log error none {r['rms_log_error_none']:.4f} "
+            f"(linearized {r['rms_log_error_none_linear']:.4f}, truth slower by "
+            f"{r['mean_log_slower_none']:+.4f} on average), "
             f"{r['budget']} suggested {r['rms_log_error_suggested']:.4f}, "
             f"{r['budget']} random {r['rms_log_error_random']:.4f} "
             f"({r['trials']} trials, {r['candidates']} candidates)"
