@@ -359,10 +359,13 @@ def suggest(
         A ``Design``.
 
     Raises:
-        ValueError: ``budget`` below 1.
+        ValueError: ``budget`` below 1, or a noise that is negative or not finite.
     """
     if budget < 1:
         raise ValueError(f"budget={budget}: must be at least 1")
+    for name, value in (("noise_sd", noise_sd), ("micro_noise_sd", micro_noise_sd)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value}: must be a finite number >= 0 (log space)")
     seen = unc.stack_seen(exp.stack) if stack_seen is None else stack_seen
     out, target_j = log_time_jacobian(*experiment_arrays(exp), params, temperature)
     target_j = np.asarray(target_j, dtype=float)

@@ -119,6 +119,8 @@ def test_suggest_on_an_example():
         assert again.plan == run.plan and again.model.n_layers == run.model.n_layers
     with pytest.raises(ValueError, match="budget"):
         sg.suggest(exp, params, unc, budget=0)
+    with pytest.raises(ValueError, match="micro_noise_sd=-0.1"):
+        sg.suggest(exp, params, unc, micro_noise_sd=-0.1)
 
 
 def test_an_unseen_stack_is_narrowed_by_runs_not_by_microbenchmarks():
