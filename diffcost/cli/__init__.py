@@ -1,8 +1,8 @@
-"""The ``diffcost`` command line: predict, validate, explain, search, sweep, and plugin commands.
+"""The ``diffcost`` command line: predict, validate, explain, search, sweep, suggest, plugins.
 
 One module per command (``diffcost.cli.predict``, ``validate``, ``explain``, ``search``,
-``sweep``), each with ``register(subparsers)``, which adds the command's subparser and sets
-``func``, the function that runs it and returns the exit code. Other packages contribute
+``sweep``, ``suggest``), each with ``register(subparsers)``, which adds the command's subparser
+and sets ``func``, the function that runs it and returns the exit code. Other packages contribute
 commands the same way, through the entry-point group ``diffcost.commands``: each entry names a
 ``register`` function. ``calibration`` provides ``diffcost calibrate`` so; without it installed
 that command does not exist.
@@ -23,11 +23,18 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from diffcost.cache import enable_compilation_cache
-from diffcost.cli import explain, predict, search, sweep, validate
+from diffcost.cli import explain, predict, search, suggest, sweep, validate
 from diffcost.config import ConfigError
 
 ENTRY_POINT_GROUP = "diffcost.commands"
-BUILTIN = (predict.register, validate.register, explain.register, search.register, sweep.register)
+BUILTIN = (
+    predict.register,
+    validate.register,
+    explain.register,
+    search.register,
+    sweep.register,
+    suggest.register,
+)
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, OSError)
 
 RegisterFn = Callable[[Any], None]  # register(subparsers): adds one command
