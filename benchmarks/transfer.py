@@ -86,7 +86,6 @@ class Transfer:
         self.P = F.build_problem(self.meas)
         self.log_meas = np.asarray(self.P.data["e2e"]["log_meas"], float)
         self.ones = {lvl: np.ones(self.P.counts[lvl]) for lvl in self.P.data}
-        self.per_source = {s: int((self.src == s).sum()) for s in set(self.src)}
         chunk = max(int((self.src == s).sum()) for s in set(self.src))
         n_fam, n_clu = len(self.P.families), len(self.P.clusters)
         self.predictor = Predictor(min(chunk, 512), n_fam, n_clu, self.cfg.temperature)
