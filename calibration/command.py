@@ -19,13 +19,13 @@ import os
 from collections import Counter
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import yaml
 from rich.console import Console
 
 from calibration import fit as fit_mod
 from calibration import posterior
+from calibration.heldout import population_row
 from calibration.readers import load
 from calibration.records import Measurements
 from diffcost import profiles as prof
@@ -84,21 +84,14 @@ def write_stack(path: Path, offsets: dict, meta: dict) -> Path:
     return path
 
 
-def population_values(result: fit_mod.FitResult, clusters) -> dict:
-    """The scalar cluster constants averaged (raw, each cluster once) over ``clusters``: what a
-    cluster no measurement names gets (``diffcost.profiles.population_path``). The cluster's own
-    shape grids stay at factor 1: they describe one cluster's shapes."""
-    names = sorted(clusters)
-    if not names:
-        raise ValueError("no cluster with end-to-end runs to average")
+def population_values(result: fit_mod.FitResult, problem: fit_mod.Problem, clusters) -> dict:
+    """The cluster constants a cluster no measurement names gets (``diffcost.profiles.
+    population_path``): ``heldout.population_row`` of the fit's tables over ``clusters``, in
+    profile form, without the cluster's own shape grids (they describe one cluster's shapes)."""
+    row = population_row(problem, result.tables, clusters)
     grids = {fit_mod.CLUSTER_LAYER_LEAF, fit_mod.HEAD_LEAF}
-    leaves = [leaf for leaf in fit_mod.CLUSTER_LEAVES if leaf not in grids]
-    mean = {
-        leaf: jnp.mean(jnp.stack([getattr(result.params_by_cluster[c], leaf) for c in names]), 0)
-        for leaf in leaves
-    }
-    params = default_params().replace(**mean)
-    fields = [f for f in prof.CLUSTER_FIELDS if prof.FIELDS[f][0] in leaves]
+    params = default_params().replace(**{k: v for k, v in row.items() if k not in grids})
+    fields = [f for f in prof.CLUSTER_FIELDS if prof.FIELDS[f][0] not in grids]
     return prof.to_values(params, fields)
 
 

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     paths.append(
         prof.write_profile(
             prof.population_path(),
-            command.population_values(result, with_runs),
+            command.population_values(result, problem, with_runs),
             {"layer": "population", "key": prof.POPULATION, "mean_of": with_runs, **meta},
             posterior.population_block(result, with_runs, spreads),
         )

@@ -1,7 +1,7 @@
 """A cluster without a profile of its own gets the population's cluster constants: the mean
 of the clusters the shipped fit has end-to-end runs of."""
 
-import numpy as np
+import jax.numpy as jnp
 import pytest
 
 from calibration import command
@@ -31,11 +31,15 @@ def test_a_cluster_without_profile_gets_the_population(tmp_path, monkeypatch):
 
 def test_population_values_average_raw_constants_and_leave_grids_out():
     p0 = default_params()
-    a = p0.replace(host_op_log_s=np.log(1e-5), cluster_layer_log_time=p0.cluster_layer_log_time + 1)
-    b = p0.replace(host_op_log_s=np.log(4e-5))
-    result = fit_mod.FitResult({}, {}, {"a": a, "b": b}, [], 0, 0.0, True, {}, {})
-    values = command.population_values(result, ["a", "b"])
+    clu = {
+        leaf: jnp.stack([getattr(p0, leaf)] * 3) for leaf in fit_mod.CLUSTER_LEAVES
+    }  # clusters a, b, c
+    clu["host_op_log_s"] = jnp.log(jnp.array([1e-5, 4e-5, 9e-3]))
+    clu[fit_mod.CLUSTER_LAYER_LEAF] = clu[fit_mod.CLUSTER_LAYER_LEAF].at[0].add(1.0)
+    problem = fit_mod.Problem(families=[], clusters=["a", "b", "c"], data={}, counts={})
+    result = fit_mod.FitResult({}, {}, {}, [], 0, 0.0, True, {}, {}, tables=({}, clu))
+    values = command.population_values(result, problem, ["a", "b"])  # c is left out
     assert values["host_op_s"] == pytest.approx(2e-5)  # geometric mean: raw values are logs
     assert prof.CLUSTER_LAYER_FIELD not in values and prof.HEAD_FIELD not in values
-    with pytest.raises(ValueError, match="no cluster"):
-        command.population_values(result, [])
+    with pytest.raises(ValueError, match="at least one fitted cluster"):
+        command.population_values(result, problem, [])
