@@ -46,13 +46,17 @@ from calibration.heldout import (  # noqa: E402
     ape_pct,
     fresh_compilation_cache,
     load_data,
+    map_tables,
     metrics,
     population_row,
     run_fit,
     subset,
     trained_keys,
 )
+from calibration.records import Measurements  # noqa: E402
 from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
+from diffcost.suggest import greedy_design  # noqa: E402
+from diffcost.uncertainty import log_time_jacobians, prior_uncertainty  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -112,14 +116,29 @@ class Transfer:
         )
         return res, tables, w, wall
 
+    def unseen_row(self, tables, w) -> dict | None:
+        """What a cluster without training runs gets (``--unseen``)."""
+        if self.unseen != "population":
+            return None
+        return population_row(self.P, tables, set(self.cluster[w["e2e"] > 0]))
+
     def predict(self, idx, tables, w) -> np.ndarray:
         fams, clus = trained_keys(self.P, w)
-        unseen = None
-        if self.unseen == "population":
-            with_runs = set(self.cluster[w["e2e"] > 0])
-            unseen = population_row(self.P, tables, with_runs)
         rows = [self.e2e[i] for i in idx]
-        return self.predictor(rows, self.P, tables, fams, clus, unseen)
+        return self.predictor(rows, self.P, tables, fams, clus, self.unseen_row(tables, w))
+
+    def jacobians(self, idx, tables, w) -> np.ndarray:
+        """``[rows, scalar constants]``: d log(predicted time) / d raw constant of each row
+        (``diffcost.uncertainty``), with the constants the fit gives it."""
+        fams, clus = trained_keys(self.P, w)
+        target = F.build_problem(Measurements(e2e=[self.e2e[i] for i in idx]))
+        n_fam, n_clu = len(target.families), len(target.clusters)
+        unseen = self.unseen_row(tables, w)
+        dev, clu = map_tables(self.P, tables, fams, clus, target, n_fam, n_clu, unseen)
+        d = target.data["e2e"]
+        params = F.assemble(dev, clu, d["d"], d["c"], d["s"])
+        _, jac = log_time_jacobians(d["model"], d["plan"], d["cluster"], params)
+        return np.asarray(jac, dtype=float)
 
 
 def group_metrics(pred: np.ndarray, meas: np.ndarray) -> dict:
@@ -226,6 +245,37 @@ def few_shot(t: Transfer, name: str, held: np.ndarray, k: int, draws: int) -> di
     }
 
 
+def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
+    """``diffcost suggest``'s design on a held-out source: of its runs, the ``k`` whose
+    measurement most shrinks the variance of the group's mean log time (``greedy_design`` with
+    each run's Jacobian at the zero-shot fit, the prior covariance of the constants, and the
+    residual spread of the other groups as the noise), refitted as ``few_shot`` refits random
+    draws; the error on the source's other runs beside the random draws' (``few_shot``)."""
+    held = t.src == g["name"]
+    _, tables0, w0 = t.zero_shot_fits[held.tobytes()]
+    idx = np.flatnonzero(held)
+    jac = t.jacobians(idx, tables0, w0)
+    noise = g.get("interval_sd", {}).get("residual", 0.05) ** 2
+    picks = [i for i, _ in greedy_design(jac.mean(0), jac, prior_uncertainty().cov, noise, k)]
+    shot = idx[picks]
+    train = ~held
+    train[shot] = True
+    _, tables, w, _ = t.fit(train, t.few_cfg, init=tables0)
+    rest = np.setdiff1d(idx, shot)
+    mape = float(ape_pct(t.predict(rest, tables, w), t.log_meas[rest]).mean())
+    random = few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS)
+    t.say(f"suggested {g['name']} k={k}: MAPE {mape:.1f}% (random {random['mape_pct_mean']:.1f}%)")
+    return {
+        "name": g["name"],
+        "k": k,
+        "zero_shot_mape_pct": g["mape_pct"],
+        "suggested_mape_pct": mape,
+        "random_mape_pct_mean": random["mape_pct_mean"],
+        "random_mape_pct_worst": random["mape_pct_worst"],
+        "suggested_rows": [t.e2e[i].row for i in shot],
+    }
+
+
 def _groups(t: Transfer, quick: bool) -> list[tuple[str, str, np.ndarray]]:
     groups = [("source", s, t.src == s) for s in sorted(set(t.src))]
     if not quick:
@@ -260,8 +310,11 @@ def measure(args) -> dict:
         idx = np.flatnonzero(held)
         preds[(kind, name)] = (idx, pred, pred - t.log_meas[idx], stack_seen(t, idx, held))
     add_intervals(groups, preds, t)
-    few = []
-    if not args.no_few_shot:
+    few, suggested = [], []
+    if args.suggest:
+        sources = [g for g in groups if g["kind"] == "source"]
+        suggested = [suggested_vs_random(t, g) for g in sources if g["rows"] > 5]
+    elif not args.no_few_shot:
         for g in (g for g in groups if g["kind"] == "source"):
             held = t.src == g["name"]
             for k in FEW_SHOT_K:
@@ -273,6 +326,7 @@ def measure(args) -> dict:
     return {
         "groups": groups,
         "few_shot": few,
+        "suggested_vs_random": suggested,
         "summary": s,
         "targets": {
             **{
@@ -353,6 +407,13 @@ def print_tables(r: dict) -> None:
         for f in r["few_shot"]:
             print(f"{f['name']:44s} {f['k']:3d} {f['mape_pct_mean']:11.1f} "
                   f"{f['mape_pct_worst']:11.1f}")  # fmt: skip
+    if r["suggested_vs_random"]:
+        print(f"\n{'3 runs refitted: suggested vs random':44s} {'zero-shot':>10s} "
+              f"{'suggested':>10s} {'random':>10s} {'worst':>7s}")  # fmt: skip
+        for f in r["suggested_vs_random"]:
+            cells = (f["zero_shot_mape_pct"], f["suggested_mape_pct"], f["random_mape_pct_mean"])
+            print(f"{f['name']:44s} " + " ".join(f"{c:10.1f}" for c in cells)
+                  + f" {f['random_mape_pct_worst']:7.1f}")  # fmt: skip
     print("\nsummary: " + ", ".join(f"{k} {fmt(v)}" for k, v in r["summary"].items()))
     for k, v in r["targets"].items():
         print(f"  {k:26s} {fmt(v['value'], 2):>8s}  limit {v['limit']}  "
@@ -366,6 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
     ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
     ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
+    ap.add_argument("--suggest", action="store_true",
+                    help="few-shot with 3 suggested runs of each source vs 3 random")  # fmt: skip
     ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
                     help="constants of a held-out cluster no training run names")  # fmt: skip
     ap.add_argument("--device-layer-grid", action="store_true",
