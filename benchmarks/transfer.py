@@ -46,14 +46,13 @@ from calibration.heldout import (  # noqa: E402
     ape_pct,
     fresh_compilation_cache,
     load_data,
-    map_tables,
     metrics,
     population_row,
     run_fit,
     subset,
+    target_tables,
     trained_keys,
 )
-from calibration.records import Measurements  # noqa: E402
 from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
 from diffcost.suggest import greedy_design  # noqa: E402
 from diffcost.uncertainty import log_time_jacobians, prior_uncertainty  # noqa: E402
@@ -131,10 +130,9 @@ class Transfer:
         """``[rows, scalar constants]``: d log(predicted time) / d raw constant of each row
         (``diffcost.uncertainty``), with the constants the fit gives it."""
         fams, clus = trained_keys(self.P, w)
-        target = F.build_problem(Measurements(e2e=[self.e2e[i] for i in idx]))
-        n_fam, n_clu = len(target.families), len(target.clusters)
+        rows = [self.e2e[i] for i in idx]
         unseen = self.unseen_row(tables, w)
-        dev, clu = map_tables(self.P, tables, fams, clus, target, n_fam, n_clu, unseen)
+        target, dev, clu = target_tables(rows, self.P, tables, fams, clus, unseen)
         d = target.data["e2e"]
         params = F.assemble(dev, clu, d["d"], d["c"], d["s"])
         _, jac = log_time_jacobians(d["model"], d["plan"], d["cluster"], params)

@@ -160,6 +160,18 @@ def map_tables(
     return rows(target.families, src.families, fams, dev_t, F.DEVICE_LEAVES, n_fam), clu
 
 
+def target_tables(rows, src: F.Problem, tables, fams: set, clus: set, unseen_cluster=None,
+                  n_fam: int | None = None, n_clu: int | None = None):  # fmt: skip
+    """(problem of the e2e ``rows``, its device table, its cluster table): ``tables`` trained
+    on ``src`` mapped to the rows' families and clusters (``map_tables``), padded to
+    ``n_fam`` x ``n_clu`` rows when given."""
+    target = F.build_problem(Measurements(e2e=list(rows)))
+    n_fam = len(target.families) if n_fam is None else n_fam
+    n_clu = len(target.clusters) if n_clu is None else n_clu
+    dev, clu = map_tables(src, tables, fams, clus, target, n_fam, n_clu, unseen_cluster)
+    return target, dev, clu
+
+
 class Predictor:
     """log predicted iteration time of e2e records from mapped tables; one compile: rows are
     padded to ``chunk`` (repeating the first) and tables to ``n_fam`` x ``n_clu``."""
@@ -176,9 +188,8 @@ class Predictor:
             part = list(rows[s : s + self.chunk])
             n = len(part)
             part += [part[0]] * (self.chunk - n)
-            target = F.build_problem(Measurements(e2e=part))
-            dev, clu = map_tables(
-                src, tables, fams, clus, target, self.n_fam, self.n_clu, unseen_cluster
+            target, dev, clu = target_tables(
+                part, src, tables, fams, clus, unseen_cluster, self.n_fam, self.n_clu
             )
             out.append(np.asarray(self._fn(dev, clu, target.data))[:n])
         return np.concatenate(out) if out else np.zeros(0)
