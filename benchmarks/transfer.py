@@ -1,7 +1,8 @@
 """How well the calibrated model predicts setups its fit has never seen: leave one source out,
 leave one cluster out, and few-shot refits.
 
-    python benchmarks/transfer.py [--json] [--quick] [--no-few-shot] [--unseen population|defaults]
+    python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--no-few-shot] [--suggest]
+                                  [--unseen population|defaults] [--device-layer-grid]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
 usually from a cluster, a framework or a scale no measurement covers.
@@ -21,9 +22,12 @@ usually from a cluster, a framework or a scale no measurement covers.
    zero-shot fit — the path a user takes with ``diffcost calibrate``. The source's other runs
    are predicted; per k the mean and the worst draw's MAPE.
 
-``--quick`` fits 60 steps, leaves out the cluster groups and runs one few-shot draw per k: a
-smoke run, its figures are not the benchmark's. Results go to ``benchmarks/results/
-transfer.json`` (``--out``) and a plot of every held-out group to ``transfer_zero_shot.png``.
+``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
+``diffcost suggest``'s design against 3 random ones. ``--quick`` fits 60 steps, leaves out the
+cluster groups and runs one few-shot draw per k: a smoke run, its figures are not the
+benchmark's. Results go to ``benchmarks/results/transfer.json`` (``--out``), the held-out rows
+to ``transfer_rows.csv`` beside it, and a plot of every held-out group to
+``transfer_zero_shot.png``.
 """
 
 from __future__ import annotations
