@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             prof.population_path(),
             command.population_values(result, problem, with_runs),
             {"layer": "population", "key": prof.POPULATION, "mean_of": with_runs, **meta},
-            posterior.population_block(result, with_runs, spreads),
+            posterior.population_block(result, problem, with_runs, spreads),
         )
     )
     for p in paths:

@@ -160,15 +160,18 @@ def information(problem, result, jacobians, variances, delta: float):
     return 0.5 * (H + H.T), terms
 
 
+def entry_matrix(tab: dict, entries) -> np.ndarray:
+    """``[table rows, entries]``: the raw scalar constants ``entries`` name, per table row."""
+    cols = [tab[leaf] if i is None else tab[leaf][:, i] for _, _, leaf, i in entries]
+    return np.stack([np.asarray(c, dtype=float) for c in cols], axis=1)
+
+
 def flat_scalars(tables) -> np.ndarray:
     """The raw scalar constants of (device, cluster) tables in ``information``'s order."""
-
-    def rows(tab, entries):
-        cols = [tab[leaf] if i is None else tab[leaf][:, i] for _, _, leaf, i in entries]
-        return np.stack([np.asarray(c) for c in cols], axis=1).ravel()
-
     dev, clu = tables
-    return np.concatenate([rows(dev, DEV_ENTRIES), rows(clu, CLU_ENTRIES)]).astype(float)
+    return np.concatenate(
+        [entry_matrix(dev, DEV_ENTRIES).ravel(), entry_matrix(clu, CLU_ENTRIES).ravel()]
+    )
 
 
 def held_out_residuals(resid, rows_of: dict, H, terms: dict, prior_grad) -> np.ndarray:
@@ -274,25 +277,15 @@ def _blocks(problem, meas, sigma, stats, spread) -> dict:
     return blocks
 
 
-def population_block(result: F.FitResult, clusters, spreads: dict) -> dict:
+def population_block(result: F.FitResult, problem: F.Problem, clusters, spreads: dict) -> dict:
     """The ``uncertainty`` block of the population profile (``diffcost.profiles``): the cluster
     constants of a cluster no run names are drawn around the mean of ``clusters`` with their
     spread between those clusters (raw units; a constant they all share sits at a small floor),
     and no runs of its own (every stack unseen)."""
-    names = sorted(clusters)
-    if len(names) < 2:
+    rows = [problem.clusters.index(c) for c in sorted(clusters)]
+    if len(rows) < 2:
         raise ValueError("a population spread needs at least two clusters with runs")
-
-    def value(params, leaf, i):
-        x = np.asarray(getattr(params, leaf), dtype=float)
-        return float(x if i is None else x[i])
-
-    raw = np.array(
-        [
-            [value(result.params_by_cluster[c], leaf, i) for _, _, leaf, i in CLU_ENTRIES]
-            for c in names
-        ]
-    )
+    raw = entry_matrix(result.tables[1], CLU_ENTRIES)[rows]
     sd = np.maximum(raw.std(axis=0, ddof=1), POPULATION_SD_FLOOR)
     return to_block(
         [n for _, n, *_ in CLU_ENTRIES],
