@@ -1,0 +1,178 @@
+"""Shortest-path routing with ECMP: flows between endpoints as a ``(flows, links)`` incidence.
+
+A flow from endpoint ``s`` to endpoint ``t`` follows the shortest paths in hops. Where several
+links lead one hop closer to ``t`` (equal-cost multipath), a node splits what it forwards
+evenly over them, as hash-based ECMP does on average; ``incidence[f, l]`` is the share of flow
+``f``'s bytes that crosses directed link ``l``. Every path of a flow therefore carries a total
+of 1 out of its source and into its destination, and ``incidence @ latency_s`` is the flow's
+mean latency over its paths.
+
+This is the contract with the contention model: a set of concurrent flows enters the jitted
+program as ``incidence`` (flows, links), ``capacity_Bps`` (links: bandwidth per direction
+times the link count) and ``latency_s`` (links), fixed in shape for a (topology, placement),
+so a sweep over plans reuses them. Routes are cached per topology fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import numpy as np
+
+from diffcost.network.graph import Topology
+
+UNREACHABLE = np.iinfo(np.int32).max
+
+
+class LRU:
+    """A small least-recently-used cache: ``get(key, make)`` calls ``make()`` on a miss."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key, make):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = make()
+        self.items[key] = value
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+_DISTANCES = LRU(16)
+_ROUTES = LRU(256)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routes:
+    """Flows routed on a topology (read-only arrays).
+
+    Attributes:
+        incidence: ``[flows, links]`` share of each flow's bytes on each directed link.
+        capacity_Bps: ``[links]`` per-direction bandwidth times link count (B/s).
+        latency_s: ``[links]`` latency of one hop (s).
+        src, dst: ``[flows]`` endpoint indices (positions in ``topology.endpoints``).
+    """
+
+    incidence: np.ndarray
+    capacity_Bps: np.ndarray
+    latency_s: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+
+    def __post_init__(self):
+        for array in (self.incidence, self.capacity_Bps, self.latency_s, self.src, self.dst):
+            array.setflags(write=False)
+
+    @property
+    def path_latency_s(self) -> np.ndarray:
+        """``[flows]`` latency of each flow, averaged over its ECMP paths (s)."""
+        return self.incidence @ self.latency_s
+
+    @property
+    def load(self) -> np.ndarray:
+        """``[links]`` flows crossing each link when every flow moves one byte."""
+        return self.incidence.sum(axis=0)
+
+
+def _out_links(topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """Links sorted by source node, and where each node's run starts (``[nodes + 1]``)."""
+    order = np.argsort(topology.src, kind="stable")
+    starts = np.searchsorted(topology.src[order], np.arange(topology.n_nodes + 1))
+    return order, starts
+
+
+def distances(topology: Topology) -> np.ndarray:
+    """``[endpoints, nodes]`` hops from every node to each endpoint (``UNREACHABLE`` if none).
+
+    One breadth-first search per endpoint, all at once on arrays: each round, a node one link
+    before a node at distance ``k`` of a target gets ``k + 1``.
+    """
+
+    def compute():
+        order, starts = _out_links(topology)
+        dst = topology.dst[order]
+        has_out = np.flatnonzero(np.diff(starts) > 0)
+        n_targets = len(topology.endpoints)
+        dist = np.full((n_targets, topology.n_nodes), UNREACHABLE, dtype=np.int32)
+        dist[np.arange(n_targets), topology.endpoints] = 0
+        for k in range(topology.n_nodes):
+            hit = dist[:, dst] == k  # [targets, links] the link leads to a node at k
+            if not hit.any():
+                break
+            before = np.maximum.reduceat(hit, starts[has_out], axis=1)
+            reached = np.zeros_like(dist, dtype=bool)
+            reached[:, has_out] = before
+            dist = np.where(reached & (dist == UNREACHABLE), k + 1, dist)
+        return dist
+
+    return _DISTANCES.get(topology.fingerprint, compute)
+
+
+def _route_one(topology, dist_to_t, order, starts, source: int, out: np.ndarray) -> None:
+    """Add the ECMP split of one unit flow from node ``source`` into ``out`` (``[links]``)."""
+    share = {source: 1.0}
+    for _ in range(int(dist_to_t[source])):
+        ahead: dict[int, float] = {}
+        for u, amount in share.items():
+            ids = order[starts[u] : starts[u + 1]]
+            ids = ids[dist_to_t[topology.dst[ids]] == dist_to_t[u] - 1]
+            out[ids] += amount / len(ids)
+            for v in topology.dst[ids]:
+                ahead[int(v)] = ahead.get(int(v), 0.0) + amount / len(ids)
+        share = ahead
+
+
+def route(topology: Topology, src, dst) -> Routes:
+    """Route flows from endpoints ``src`` to endpoints ``dst`` on shortest paths with ECMP.
+
+    Args:
+        topology: the graph.
+        src, dst: ``[flows]`` endpoint indices (positions in ``topology.endpoints``); a flow
+            from an endpoint to itself crosses no link.
+
+    Returns:
+        :class:`Routes`, cached per (topology, src, dst): the arrays are shared, read-only.
+
+    Raises:
+        ValueError: an index outside the endpoints, or a destination the source cannot reach.
+
+    Examples:
+        >>> from diffcost.network.generators import switch_domain
+        >>> from diffcost.network.graph import LinkSpec
+        >>> r = route(switch_domain(4, LinkSpec(1e9)), [0, 1], [1, 2])
+        >>> r.incidence.sum(axis=1).tolist()  # two hops each: GPU -> switch -> GPU
+        [2.0, 2.0]
+    """
+    src = np.asarray(src, dtype=int).ravel()
+    dst = np.asarray(dst, dtype=int).ravel()
+    n = len(topology.endpoints)
+    if src.shape != dst.shape:
+        raise ValueError(f"src has {len(src)} flows, dst {len(dst)}: expected as many")
+    for name, ends in (("src", src), ("dst", dst)):
+        if ends.size and (ends.min() < 0 or ends.max() >= n):
+            raise ValueError(f"{name}: endpoint indices must be in 0..{n - 1}")
+    key = (topology.fingerprint, src.tobytes(), dst.tobytes())
+    return _ROUTES.get(key, lambda: _compute_routes(topology, src, dst))
+
+
+def _compute_routes(topology: Topology, src: np.ndarray, dst: np.ndarray) -> Routes:
+    dist = distances(topology)
+    order, starts = _out_links(topology)
+    incidence = np.zeros((len(src), topology.n_links))
+    for f, (s, t) in enumerate(zip(src, dst)):
+        source = int(topology.endpoints[s])
+        if dist[t, source] == UNREACHABLE:
+            raise ValueError(f"{topology.name}: endpoint {t} cannot be reached from endpoint {s}")
+        _route_one(topology, dist[t], order, starts, source, incidence[f])
+    return Routes(
+        incidence=incidence,
+        capacity_Bps=np.array(topology.capacity_Bps, dtype=float),
+        latency_s=np.array(topology.latency_s, dtype=float),
+        src=src.copy(),
+        dst=dst.copy(),
+    )
