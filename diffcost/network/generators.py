@@ -390,4 +390,9 @@ def from_cluster(cluster: ClusterSpec, nodes: int) -> Topology:
     nic = LinkSpec(cluster.nic_Gbps * 1e9 / 8.0, cluster.nic_latency_us * 1e-6 / 2.0)
     fabric = leaf_spine(nodes, cluster.nics_per_node, nic, cluster.oversubscription)
     graph = hierarchical(node_domain(cluster), nodes, fabric, LinkSpec(nic.bandwidth_Bps))
-    return dataclasses.replace(graph, name=f"{cluster.name} x {nodes}")
+    return renamed(graph, f"{cluster.name} x {nodes}")
+
+
+def renamed(topology: Topology, name: str) -> Topology:
+    """``topology`` under another name (same graph, same fingerprint)."""
+    return dataclasses.replace(topology, name=name)
