@@ -30,8 +30,8 @@ import dataclasses
 
 import numpy as np
 
-from diffcost.network.graph import Topology
-from diffcost.network.routing import LRU, Routes, route
+from diffcost.network.graph import Topology, without_transit
+from diffcost.network.routing import LRU, Routes, distances, route
 from diffcost.specs import PLACED_DIMS, PlanSpec
 from diffcost.topology import ring_links
 
@@ -322,8 +322,11 @@ def ring_bandwidth_Bps(topology: Topology, endpoints) -> float:
     channels do: the best of two ring sets, each routed (ECMP) at the largest common rate its
     links carry (the smallest ``capacity / load`` over loaded links), times its ring count:
 
-    * the ``n - 1`` rotations ``i -> i + s (mod n)``: every GPU pair once in each direction
-      (behind a switch or on a full mesh, every link the group has);
+    Rings use the group's own links (and switches, NICs), not other GPUs as relays.
+
+    * where every pair of the group is equally many hops apart (behind a switch, on a full
+      mesh), the ``n - 1`` rotations ``i -> i + s (mod n)``: every pair once in each
+      direction, every link the group has (a complete graph splits into Hamiltonian rings);
     * on direct GPU links of one bandwidth, twice the most edge-disjoint Hamiltonian cycles
       the link counts carry (one ring per direction), relaying through a GPU where there is
       none (``diffcost.topology.ring_links``, the DGX-1 cube-mesh table).
@@ -332,11 +335,16 @@ def ring_bandwidth_Bps(topology: Topology, endpoints) -> float:
     n = len(endpoints)
     if n < 2:
         return 0.0
-    src = np.concatenate([endpoints] * (n - 1))
-    dst = np.concatenate([np.roll(endpoints, -s) for s in range(1, n)])
-    load = route(topology, src, dst).load
-    used = load > 1e-12
-    best = (n - 1) * float(np.min(topology.capacity_Bps[used] / load[used]))
+    others = np.setdiff1d(topology.endpoints, topology.endpoints[endpoints])
+    topology = without_transit(topology, others)
+    best = 0.0
+    hops = np.round(distances(topology)[np.ix_(endpoints, topology.endpoints[endpoints])])
+    if len(np.unique(hops[~np.eye(n, dtype=bool)])) == 1:  # every pair equally far
+        src = np.concatenate([endpoints] * (n - 1))
+        dst = np.concatenate([np.roll(endpoints, -s) for s in range(1, n)])
+        load = route(topology, src, dst).load
+        used = load > 1e-12
+        best = (n - 1) * float(np.min(topology.capacity_Bps[used] / load[used]))
     nodes = topology.endpoints[endpoints]
     direct = np.isin(topology.src, nodes) & np.isin(topology.dst, nodes)
     bandwidths = np.unique(topology.bandwidth_Bps[direct])

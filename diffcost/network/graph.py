@@ -214,3 +214,16 @@ class GraphBuilder:
             domain=domain,
             coords=None if coords is None else np.asarray(coords, dtype=int),
         )
+
+
+def without_transit(topology: Topology, nodes) -> Topology:
+    """``topology`` without the links of ``nodes`` (their ids and the endpoints stay)."""
+    keep = ~(np.isin(topology.src, nodes) | np.isin(topology.dst, nodes))
+    return dataclasses.replace(
+        topology,
+        src=topology.src[keep],
+        dst=topology.dst[keep],
+        bandwidth_Bps=topology.bandwidth_Bps[keep],
+        latency_s=topology.latency_s[keep],
+        count=topology.count[keep],
+    )

@@ -1,8 +1,9 @@
 """Shortest-path routing with ECMP: flows between endpoints as a ``(flows, links)`` incidence.
 
-A flow from endpoint ``s`` to endpoint ``t`` follows the shortest paths in hops. Where several
-links lead one hop closer to ``t`` (equal-cost multipath), a node splits what it forwards
-evenly over them, as hash-based ECMP does on average; ``incidence[f, l]`` is the share of flow
+A flow from endpoint ``s`` to endpoint ``t`` follows the shortest paths in hops; among paths
+of equal hops, the one with the wider links (``link_cost``). Where several links lead on
+equal-cost paths to ``t`` (equal-cost multipath), a node splits what it forwards evenly over
+them, as hash-based ECMP does on average; ``incidence[f, l]`` is the share of flow
 ``f``'s bytes that crosses directed link ``l``. Every path of a flow therefore carries a total
 of 1 out of its source and into its destination, and ``incidence @ latency_s`` is the flow's
 mean latency over its paths.
@@ -22,7 +23,8 @@ import numpy as np
 
 from diffcost.network.graph import Topology
 
-UNREACHABLE = np.iinfo(np.int32).max
+WIDTH_TIE_BREAK = 1e-4  # most a link's width adds to its cost of one hop
+TIE_TOLERANCE = 1e-9  # path costs closer than this are equal (ECMP)
 
 
 class LRU:
@@ -86,41 +88,48 @@ def _out_links(topology: Topology) -> tuple[np.ndarray, np.ndarray]:
     return order, starts
 
 
-def distances(topology: Topology) -> np.ndarray:
-    """``[endpoints, nodes]`` hops from every node to each endpoint (``UNREACHABLE`` if none).
+def link_cost(topology: Topology) -> np.ndarray:
+    """``[links]`` routing cost: one per hop, plus at most ``WIDTH_TIE_BREAK`` for a narrow
+    link, so that among paths of equal hops the wider one wins (NVLink before a shared NIC's
+    PCIe hairpin); paths of equal hops and equal links tie exactly and split by ECMP."""
+    return 1.0 + WIDTH_TIE_BREAK * topology.bandwidth_Bps.min() / topology.bandwidth_Bps
 
-    One breadth-first search per endpoint, all at once on arrays: each round, a node one link
-    before a node at distance ``k`` of a target gets ``k + 1``.
+
+def distances(topology: Topology) -> np.ndarray:
+    """``[endpoints, nodes]`` routing cost from every node to each endpoint (inf if none).
+
+    Bellman-Ford for all endpoints at once on arrays: each round, a node's cost becomes the
+    least over its links of the link's cost plus the cost from the link's far end.
     """
 
     def compute():
         order, starts = _out_links(topology)
-        dst = topology.dst[order]
+        dst, cost = topology.dst[order], link_cost(topology)[order]
         has_out = np.flatnonzero(np.diff(starts) > 0)
         n_targets = len(topology.endpoints)
-        dist = np.full((n_targets, topology.n_nodes), UNREACHABLE, dtype=np.int32)
-        dist[np.arange(n_targets), topology.endpoints] = 0
-        for k in range(topology.n_nodes):
-            hit = dist[:, dst] == k  # [targets, links] the link leads to a node at k
-            if not hit.any():
+        dist = np.full((n_targets, topology.n_nodes), np.inf)
+        dist[np.arange(n_targets), topology.endpoints] = 0.0
+        for _ in range(topology.n_nodes):
+            via = np.minimum.reduceat(dist[:, dst] + cost, starts[has_out], axis=1)
+            new = dist.copy()
+            new[:, has_out] = np.minimum(dist[:, has_out], via)
+            if (new == dist).all():
                 break
-            before = np.maximum.reduceat(hit, starts[has_out], axis=1)
-            reached = np.zeros_like(dist, dtype=bool)
-            reached[:, has_out] = before
-            dist = np.where(reached & (dist == UNREACHABLE), k + 1, dist)
+            dist = new
         return dist
 
     return _DISTANCES.get(topology.fingerprint, compute)
 
 
-def _route_one(topology, dist_to_t, order, starts, source: int, out: np.ndarray) -> None:
+def _route_one(topology, dist_to_t, cost, order, starts, source: int, out: np.ndarray) -> None:
     """Add the ECMP split of one unit flow from node ``source`` into ``out`` (``[links]``)."""
     share = {source: 1.0}
-    for _ in range(int(dist_to_t[source])):
+    while any(dist_to_t[u] > 0 for u in share):  # equal-cost paths have equal hops
         ahead: dict[int, float] = {}
         for u, amount in share.items():
             ids = order[starts[u] : starts[u + 1]]
-            ids = ids[dist_to_t[topology.dst[ids]] == dist_to_t[u] - 1]
+            slack = dist_to_t[topology.dst[ids]] + cost[ids] - dist_to_t[u]
+            ids = ids[np.abs(slack) <= TIE_TOLERANCE]
             out[ids] += amount / len(ids)
             for v in topology.dst[ids]:
                 ahead[int(v)] = ahead.get(int(v), 0.0) + amount / len(ids)
@@ -162,13 +171,14 @@ def route(topology: Topology, src, dst) -> Routes:
 
 def _compute_routes(topology: Topology, src: np.ndarray, dst: np.ndarray) -> Routes:
     dist = distances(topology)
+    cost = link_cost(topology)
     order, starts = _out_links(topology)
     incidence = np.zeros((len(src), topology.n_links))
     for f, (s, t) in enumerate(zip(src, dst)):
         source = int(topology.endpoints[s])
-        if dist[t, source] == UNREACHABLE:
+        if not np.isfinite(dist[t, source]):
             raise ValueError(f"{topology.name}: endpoint {t} cannot be reached from endpoint {s}")
-        _route_one(topology, dist[t], order, starts, source, incidence[f])
+        _route_one(topology, dist[t], cost, order, starts, source, incidence[f])
     return Routes(
         incidence=incidence,
         capacity_Bps=np.array(topology.capacity_Bps, dtype=float),
