@@ -195,6 +195,31 @@ def test_routes_conserve_flow_on_shortest_paths(name):
     assert (r.incidence >= 0).all() and (r.incidence <= 1 + 1e-12).all()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_route_hops_match_breadth_first_search(seed):
+    rng = np.random.default_rng(seed)
+    n = 12
+    cables = [(i, i + 1) for i in range(n - 1)]  # a path keeps it connected
+    cables += [(a, b) for a in range(n) for b in range(a + 2, n) if rng.random() < 0.2]
+    t = gen.explicit(["gpu"] * n, [(a, b, LinkSpec(1.0), 1) for a, b in cables])
+    neighbours = {i: set() for i in range(n)}
+    for a, b in cables:
+        neighbours[a].add(b)
+        neighbours[b].add(a)
+    src, dst = np.divmod(np.arange(n * n), n)
+    r = routing.route(t, src, dst)
+    for s in range(n):
+        hops, frontier = {s: 0}, [s]
+        while frontier:
+            frontier = [v for u in frontier for v in neighbours[u] if v not in hops]
+            hops.update({v: hops[[u for u in neighbours[v] if u in hops][0]] + 1 for v in frontier})
+        for d in range(n):
+            assert r.incidence[s * n + d].sum() == pytest.approx(hops[d])
+    incidence, mask = r.padded(n * n + 3)
+    assert incidence.shape == (n * n + 3, t.n_links) and mask.sum() == n * n
+    assert (incidence[~mask] == 0).all()
+
+
 def test_ecmp_splits_evenly_over_equal_paths():
     t = gen.fat_tree(3, 4, LinkSpec(1.0))  # host 0 to host 15 (another pod): 4 core paths
     r = routing.route(t, [0], [15])
@@ -234,6 +259,16 @@ def test_cluster_graph_ring_share_matches_table(name):
     r = routing.route(t, np.arange(g), np.arange(g) + g)  # every GPU to its peer, at once
     rate = np.min(r.capacity_Bps[r.load > 0] / r.load[r.load > 0])
     assert rate == pytest.approx(min(nic_Bps, per_gpu_Bps), rel=1e-9)
+
+
+def test_oversubscribed_fabric_divides_the_nic_share():
+    cluster = load_cluster("dgx-h100", {"oversubscription": 2.0})
+    t = gen.from_cluster(cluster, 2)
+    r = routing.route(t, np.arange(8), np.arange(8) + 8)
+    rate = np.min(r.capacity_Bps[r.load > 0] / r.load[r.load > 0])
+    assert rate == pytest.approx(400 * GBITPS / 2)
+    one = routing.route(t, [0], [8])  # alone, a flow has its NIC to itself
+    assert np.min(one.capacity_Bps[one.load > 0] / one.load[one.load > 0]) == 400 * GBITPS
 
 
 # --- placement ---------------------------------------------------------------------------------

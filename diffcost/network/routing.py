@@ -75,6 +75,16 @@ class Routes:
         """``[flows]`` latency of each flow, averaged over its ECMP paths (s)."""
         return self.incidence @ self.latency_s
 
+    def padded(self, n_flows: int) -> tuple[np.ndarray, np.ndarray]:
+        """``incidence`` with zero rows up to ``n_flows``, and the ``[n_flows]`` mask of real
+        flows: flow sets of different sizes stacked to one shape (a padded flow crosses no
+        link, so it adds nothing to any load)."""
+        if n_flows < len(self.src):
+            raise ValueError(f"n_flows={n_flows}: fewer than the {len(self.src)} flows")
+        pad = n_flows - len(self.src)
+        incidence = np.concatenate([self.incidence, np.zeros((pad, self.incidence.shape[1]))])
+        return incidence, np.arange(n_flows) < len(self.src)
+
     @property
     def load(self) -> np.ndarray:
         """``[links]`` flows crossing each link when every flow moves one byte."""
