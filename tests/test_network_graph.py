@@ -357,6 +357,18 @@ def test_double_binary_tree():
         collectives.collective_flows(t, layout, "dp", "all_gather", "tree")
 
 
+def test_concurrent_dimensions_share_links():
+    t = gen.from_cluster(load_cluster("dgx-h100"), 2)
+    layout = collectives.place_ranks(t, PlanSpec(tp=8, pp=2))
+    tp = collectives.collective_flows(t, layout, "tp", "all_gather").routes
+    pp = collectives.pipeline_flows(t, layout).routes
+    both = routing.concatenate([tp, pp])
+    assert both.incidence.shape == (16 + 8, t.n_links)
+    np.testing.assert_allclose(both.load, tp.load + pp.load)
+    with pytest.raises(ValueError, match="different topologies"):
+        routing.concatenate([tp, routing.route(gen.mesh(2, LinkSpec(1.0)), [0], [1])])
+
+
 def test_pipeline_sends_and_empty_groups():
     t = gen.from_cluster(load_cluster("dgx-h100"), 2)
     layout = collectives.place_ranks(t, PlanSpec(tp=8, pp=2))

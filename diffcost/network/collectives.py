@@ -37,9 +37,16 @@ from diffcost.topology import ring_links
 
 # Group dimensions: the placed ones, expert parallel and expert data parallel (inside dp).
 GROUP_DIMS = ("tp", "cp", "dp", "pp", "ep", "edp")
-# Columns of ``RankLayout.index`` that stay fixed inside a group of each dimension's complement.
-_VARYING = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "ep", "edp")}
-_VARYING |= {"ep": ("dp", "ep"), "edp": ("dp", "edp")}
+# Columns of ``RankLayout.index`` that change inside one group of each dimension; the other
+# columns are the same for all of a group's ranks and tell the groups apart.
+_VARYING = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "pp": ("pp",),
+    "dp": ("dp", "ep", "edp"),
+    "ep": ("dp", "ep"),
+    "edp": ("dp", "edp"),
+}
 COLLECTIVE_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 ALGORITHMS = ("ring", "tree", "hierarchical", "torus")
 _FLOWS = LRU(256)
@@ -320,9 +327,8 @@ def pipeline_flows(topology: Topology, layout: RankLayout) -> CollectiveFlows:
 def ring_bandwidth_Bps(topology: Topology, endpoints) -> float:
     """Per-GPU bandwidth (B/s) that rings over ``endpoints`` reach together, as NCCL's
     channels do: the best of two ring sets, each routed (ECMP) at the largest common rate its
-    links carry (the smallest ``capacity / load`` over loaded links), times its ring count:
-
-    Rings use the group's own links (and switches, NICs), not other GPUs as relays.
+    links carry (the smallest ``capacity / load`` over loaded links), times its ring count.
+    Rings use the group's own links (and switches, NICs), not other GPUs as relays:
 
     * where every pair of the group is equally many hops apart (behind a switch, on a full
       mesh), the ``n - 1`` rotations ``i -> i + s (mod n)``: every pair once in each

@@ -196,3 +196,22 @@ def _compute_routes(topology: Topology, src: np.ndarray, dst: np.ndarray) -> Rou
         src=src.copy(),
         dst=dst.copy(),
     )
+
+
+def concatenate(routes_list) -> Routes:
+    """Flows of several :class:`Routes` on one topology as one set (e.g. the collectives of
+    different dimensions that run at the same time), rows in the order given."""
+    routes_list = list(routes_list)
+    if not routes_list:
+        raise ValueError("concatenate: expected at least one Routes")
+    first = routes_list[0]
+    for other in routes_list[1:]:
+        if not np.array_equal(other.capacity_Bps, first.capacity_Bps):
+            raise ValueError("concatenate: the routes are on different topologies")
+    return Routes(
+        incidence=np.concatenate([r.incidence for r in routes_list]),
+        capacity_Bps=np.array(first.capacity_Bps),
+        latency_s=np.array(first.latency_s),
+        src=np.concatenate([r.src for r in routes_list]),
+        dst=np.concatenate([r.dst for r in routes_list]),
+    )
