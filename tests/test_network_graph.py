@@ -335,6 +335,17 @@ def test_collective_traffic_per_rank(algorithm, collective):
     assert collectives.collective_flows(t, layout, "dp", collective, algorithm) is f
 
 
+def test_hierarchical_crosses_nics_only_between_domains():
+    t = gen.from_cluster(load_cluster("dgx-h100"), 4)
+    layout = collectives.place_ranks(t, PlanSpec(tp=2, dp=16))  # 4 ranks of a group per node
+    f = collectives.collective_flows(t, layout, "dp", "all_reduce", "hierarchical")
+    assert f.steps.tolist() == [3, 3, 3, 3]  # k - 1 inside, m - 1 twice across, k - 1 inside
+    nic_links = np.isin(t.src, t.nodes_of("nic")) | np.isin(t.dst, t.nodes_of("nic"))
+    on_nics = f.routes.incidence[:, nic_links].sum(axis=1)
+    assert (on_nics[np.isin(f.phase, [0, 3])] == 0).all()
+    assert (on_nics[np.isin(f.phase, [1, 2])] == 4).all()  # GPU-NIC-leaf and back down
+
+
 def test_torus_rings_per_dimension():
     t = load_topology("tpu-torus-4x4x4")
     layout = collectives.place_ranks(t, PlanSpec(tp=4, dp=16))
