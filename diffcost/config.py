@@ -236,6 +236,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return copy.deepcopy(data)
 
 
+def read_yaml(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """A YAML file's top-level mapping (duplicate keys rejected) and its name for messages.
+
+    Raises:
+        ConfigError: as ``_read_yaml``.
+    """
+    path = Path(path).resolve()
+    return _read_yaml(path), _display(path)
+
+
 # --------------------------------------------------------------------------------------------
 # Trees: keys checks, base inheritance, merging.
 # --------------------------------------------------------------------------------------------
