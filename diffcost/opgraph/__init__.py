@@ -1,0 +1,16 @@
+"""Operator graphs: a general workload IR, imported from JAX functions and priced per operator."""
+
+from diffcost.opgraph.counting import UnsupportedPrimitiveError
+from diffcost.opgraph.ir import OP_KINDS, Graph, Operator, OperatorSharding, Sbp, Tensor
+from diffcost.opgraph.trace import from_jax
+
+__all__ = [
+    "OP_KINDS",
+    "Graph",
+    "Operator",
+    "OperatorSharding",
+    "Sbp",
+    "Tensor",
+    "UnsupportedPrimitiveError",
+    "from_jax",
+]
