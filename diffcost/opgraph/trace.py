@@ -17,6 +17,7 @@ Every other primitive gets its cost from ``diffcost.opgraph.counting`` or a clea
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -287,17 +288,60 @@ def from_jax(fn, *example_args, argnums=None, backward: bool = True) -> Graph:
     bwd_jaxpr = jax.make_jaxpr(backward_fn)(residuals, out_shape)
     cotangents = [b.tensor(leaf) for leaf in jax.tree_util.tree_leaves(out_shape)]
     grads = b.walk(bwd_jaxpr, fwd_out[n_out:] + cotangents, "backward", 1, "")
-    saved = tuple(dict.fromkeys(t for t in fwd_out[n_out:] if t is not None))
+    # Residuals the backward never reads (JAX's VJP may carry some) are not kept by a
+    # compiled step.
+    read = {t for op in b.operators if op.phase == "backward" for t in op.inputs} | set(grads)
+    saved = tuple(dict.fromkeys(t for t in fwd_out[n_out:] if t is not None and t in read))
     return _graph(b, inputs, fwd_out[:n_out], grads, saved)
 
 
+def _live_operators(b: _Builder, roots) -> list[int]:
+    """Indices of the operators the ``roots`` tensors depend on (XLA removes the others: the
+    linearization computes some values only for residuals the backward never reads)."""
+    needed = {b.tensors[t].producer for t in roots}
+    keep = []
+    for i in range(len(b.operators) - 1, -1, -1):  # operators are in topological order
+        if i in needed:
+            keep.append(i)
+            needed.update(b.tensors[t].producer for t in b.operators[i].inputs)
+    return keep[::-1]
+
+
 def _graph(b: _Builder, inputs, outputs, gradients, saved) -> Graph:
+    """The graph of the live operators, tensors and operators renumbered in order."""
+    outputs = [t for t in outputs if t is not None]
+    gradients = [t for t in gradients if t is not None]
+    keep = _live_operators(b, [*outputs, *gradients, *saved])
+    op_index = {old: new for new, old in enumerate(keep)}
+    used = set(inputs) | set(outputs) | set(gradients) | set(saved)
+    for i in keep:
+        used.update(b.operators[i].inputs)
+        used.update(b.operators[i].outputs)
+    tensor_index = {old: new for new, old in enumerate(sorted(used))}
+    tensors = tuple(
+        dataclasses.replace(
+            b.tensors[old], id=new, producer=op_index.get(b.tensors[old].producer, -1)
+        )
+        for old, new in tensor_index.items()
+    )
+    renumber = lambda ids: tuple(tensor_index[t] for t in ids)  # noqa: E731
+    operators = []
+    for new, old in enumerate(keep):
+        op = b.operators[old]
+        operators.append(
+            dataclasses.replace(
+                op,
+                name=f"{op.phase[0]}{new}:{op.primitive}",
+                inputs=renumber(op.inputs),
+                outputs=renumber(op.outputs),
+            )
+        )
     return Graph(
-        tensors=tuple(b.tensors),
-        operators=tuple(b.operators),
-        inputs=tuple(inputs),
-        outputs=tuple(t for t in outputs if t is not None),
-        gradients=tuple(t for t in gradients if t is not None),
-        saved=tuple(saved),
+        tensors=tensors,
+        operators=tuple(operators),
+        inputs=renumber(inputs),
+        outputs=renumber(outputs),
+        gradients=renumber(gradients),
+        saved=renumber(saved),
         notes=tuple(dict.fromkeys(b.notes)),
     )

@@ -1,0 +1,208 @@
+"""The operator graph IR and ``from_jax``: FLOPs against XLA, the backward pass, saved tensors,
+loops, errors, and the per-operator pricing (``diffcost.opgraph.pricing``)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffcost import zoo
+from diffcost.arrays import cluster_arrays
+from diffcost.config import load_cluster
+from diffcost.opgraph import Sbp, UnsupportedPrimitiveError, from_jax, graph_arrays, graph_time_s
+from diffcost.opgraph.pricing import on_chip
+from diffcost.opgraph.xla import xla_flops
+from diffcost.params import default_params
+
+FLOP_TOLERANCE = 0.02  # the issue's bar: within 2% of XLA's cost analysis
+F32 = jnp.float32
+
+
+def spec(*shape, dtype=F32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def mlp(w1, w2, x):
+    return nn.relu(x @ w1) @ w2
+
+
+MLP_ARGS = (spec(64, 128), spec(128, 32), spec(16, 64))
+
+
+def test_matmul_flops_and_backward_doubles_them():
+    """Forward: 2 m n k per product. Backward with every argument differentiated: dgrad and
+    wgrad of each product, exactly 2x the forward matmul FLOPs; without the input's gradient
+    the first product's dgrad is skipped."""
+    fwd = 2.0 * 16 * 64 * 128 + 2.0 * 16 * 128 * 32
+    g = from_jax(mlp, *MLP_ARGS)
+    assert g.flops("forward", ["matmul"]) == fwd
+    assert g.flops("backward", ["matmul"]) == 2.0 * fwd
+    weights_only = from_jax(mlp, *MLP_ARGS, argnums=(0, 1))
+    assert weights_only.flops("backward", ["matmul"]) == 2.0 * fwd - 2.0 * 16 * 64 * 128
+    assert len(g.gradients) == 3 and len(weights_only.gradients) == 2
+
+
+def test_forward_only_graph_has_no_backward():
+    g = from_jax(mlp, *MLP_ARGS, backward=False)
+    assert not g.select("backward") and not g.saved and g.flops() > 0
+
+
+def _conv(stride, padding, dilation, groups):
+    def f(k, x):
+        return jax.lax.conv_general_dilated(
+            x, k, (stride,) * 2, padding, rhs_dilation=(dilation,) * 2,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups,
+        )  # fmt: skip
+
+    return f, (spec(3, 3, 16 // groups, 32), spec(2, 17, 17, 16))
+
+
+def _block():
+    block = zoo.model("transformer_block", batch=2)
+    return block.fn, block.args
+
+
+CASES = {
+    "mlp": (mlp, MLP_ARGS),
+    "conv_same": _conv(1, "SAME", 1, 1),
+    "conv_strided_valid": _conv(2, "VALID", 1, 1),
+    "conv_dilated": _conv(1, ((2, 2), (2, 2)), 2, 1),
+    "conv_depthwise": _conv(1, "SAME", 1, 16),
+    "softmax_layernorm": (
+        lambda w, x: jax.nn.softmax(jax.nn.standardize(x, axis=-1) @ w),
+        (spec(64, 64), spec(32, 64)),
+    ),
+    "transformer_block": _block(),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_flops_match_xla(name):
+    """Forward and training-step FLOPs within 2% of ``compile().cost_analysis()``."""
+    fn, args = CASES[name]
+    argnums = (0, 1) if name == "mlp" else (0,)
+    g = from_jax(fn, *args, argnums=argnums)
+    forward = xla_flops(fn, *args, argnums=argnums, backward=False)
+    step = xla_flops(fn, *args, argnums=argnums)
+    assert g.flops("forward") == pytest.approx(forward, rel=FLOP_TOLERANCE)
+    assert g.flops() == pytest.approx(step, rel=FLOP_TOLERANCE)
+
+
+def test_transformer_block_attention_products_are_attention():
+    fn, args = _block()
+    g = from_jax(fn, *args, argnums=(0,))
+    forward = g.select("forward", ["attention"])
+    assert len(forward) == 2  # scores and the weighted sum of values
+    # 2 x batch x heads x seq^2 x head_dim, twice
+    assert sum(op.flops for op in forward) == 2 * 2.0 * 2 * 8 * 128 * 128 * 64
+
+
+def test_saved_tensors_and_remat():
+    """Without remat the backward reads the hidden activation the forward computed; with
+    ``jax.checkpoint`` only the arguments are saved, and the backward recomputes the forward
+    products whose outputs it needs."""
+    g = from_jax(mlp, *MLP_ARGS)
+    saved_shapes = {g.tensors[t].shape for t in g.saved if g.tensors[t].producer >= 0}
+    assert (16, 128) in saved_shapes
+    assert g.saved_bytes >= 16 * 128 * 4
+    for t in g.saved:  # every saved tensor is read by the backward pass
+        assert any(t in op.inputs for op in g.select("backward"))
+    remat = from_jax(jax.checkpoint(mlp), *MLP_ARGS)
+    assert remat.saved_bytes == 0
+    first = 2.0 * 16 * 64 * 128  # x @ w1: its output is needed again, the last product's not
+    fwd = remat.flops("forward", ["matmul"])
+    assert remat.flops("backward", ["matmul"]) == 2.0 * fwd + first
+
+
+def test_scan_counts_its_trip_count_and_while_is_noted():
+    """A scan body counts ``length`` times. XLA's cost analysis counts a loop body once, so
+    the reference is the same scan unrolled (the jaxpr is the same scan either way)."""
+
+    def rnn(w, h, unroll=1):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+
+        return jax.lax.scan(body, h, None, length=7, unroll=unroll)[0]
+
+    args = (spec(32, 32), spec(4, 32))
+    g = from_jax(rnn, *args)
+    assert g.flops("forward", ["matmul"]) == 7 * 2.0 * 4 * 32 * 32
+    assert g.flops("backward", ["matmul"]) == 2 * 7 * 2.0 * 4 * 32 * 32
+    unrolled = xla_flops(lambda w, h: rnn(w, h, unroll=True), *args)
+    assert g.flops() == pytest.approx(unrolled, rel=FLOP_TOLERANCE)
+
+    def loop(w, h):
+        return jax.lax.while_loop(lambda c: c[1] < 5, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1),
+                                  (h, 0))[0]  # fmt: skip
+
+    g = from_jax(loop, *args, backward=False)
+    assert any("while loop" in note and "counted once" in note for note in g.notes)
+    assert g.flops("forward", ["matmul"]) == 2.0 * 4 * 32 * 32
+
+
+def test_graph_edges_are_topological():
+    fn, args = _block()
+    g = from_jax(fn, *args, argnums=(0,))
+    edges = g.edges()
+    assert edges.shape[1] == 2 and len(edges) > len(g.operators) // 2
+    assert np.all(edges[:, 0] < edges[:, 1])
+    for op_index, op in enumerate(g.operators):
+        for t in op.outputs:
+            assert g.tensors[t].producer == op_index
+
+
+def test_unsupported_primitive_names_it_and_the_supported_ones():
+    with pytest.raises(UnsupportedPrimitiveError, match=r"'sort'.*dot_general.*scan"):
+        from_jax(lambda x: jnp.sort(x), spec(8))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match=r"example argument 1 .*str"):
+        from_jax(lambda x, y: x, spec(3), "not an array")
+    with pytest.raises(ValueError, match="argument 1 .*not floating point"):
+        from_jax(lambda x, i: x[i], spec(3), spec(2, dtype=jnp.int32), argnums=(1,))
+    with pytest.raises(ValueError, match="valid: 'S', 'B', 'P'"):
+        Sbp("X")
+    with pytest.raises(ValueError, match="split needs a tensor axis"):
+        Sbp("S")
+
+
+# Pricing ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def priced():
+    g = from_jax(mlp, *MLP_ARGS)
+    return g, graph_arrays(g), cluster_arrays(load_cluster("dgx-h100")), default_params()
+
+
+def test_elementwise_chain_stays_on_chip():
+    """``tanh(exp(x) * 2)``: the two intermediates are fused away, the output is not."""
+    g = from_jax(lambda x: jnp.tanh(jnp.exp(x) * 2.0), spec(1024), backward=False)
+    fused = on_chip(g)
+    assert not fused[g.outputs[0]]
+    assert fused.sum() >= 2
+
+
+def test_graph_time_is_positive_jittable_and_differentiable(priced):
+    g, arrays, cluster, params = priced
+    eager = graph_time_s(g, cluster, params)
+    jitted = jax.jit(graph_time_s)(arrays, cluster, params)
+    np.testing.assert_allclose(eager, jitted, rtol=1e-12)
+    assert eager.shape == (2,) and np.all(eager > 0) and eager[1] > eager[0]
+    grad = jax.grad(lambda p: jnp.sum(graph_time_s(arrays, cluster, p)))(params)
+    leaves = jax.tree_util.tree_leaves(grad)
+    assert all(np.all(np.isfinite(leaf)) for leaf in leaves)
+    assert np.sum(np.abs(grad.gemm_eff_logit)) > 0 and np.abs(grad.mem_eff_logit) > 0
+
+
+def test_more_bandwidth_or_flops_never_slower(priced):
+    _, arrays, cluster, params = priced
+    base = np.sum(graph_time_s(arrays, cluster, params))
+    faster_hbm = cluster.replace(hbm_Bps=cluster.hbm_Bps * 2.0)
+    faster_gemm = cluster.replace(peak_flops=cluster.peak_flops * 2.0)
+    assert np.sum(graph_time_s(arrays, faster_hbm, params)) < base
+    assert np.sum(graph_time_s(arrays, faster_gemm, params)) < base
