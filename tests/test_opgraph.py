@@ -3,6 +3,8 @@ loops, errors, and the per-operator pricing (``diffcost.opgraph.pricing``)."""
 
 from __future__ import annotations
 
+import doctest
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,13 @@ def test_matmul_flops_and_backward_doubles_them():
     weights_only = from_jax(mlp, *MLP_ARGS, argnums=(0, 1))
     assert weights_only.flops("backward", ["matmul"]) == 2.0 * fwd - 2.0 * 16 * 64 * 128
     assert len(g.gradients) == 3 and len(weights_only.gradients) == 2
+
+
+def test_docstring_examples_run():
+    from diffcost.opgraph import trace
+
+    assert doctest.testmod(trace).failed == 0
+    assert doctest.testmod(zoo).failed == 0
 
 
 def test_forward_only_graph_has_no_backward():

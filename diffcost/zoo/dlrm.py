@@ -63,10 +63,12 @@ class EmbeddingBag(nn.Module):
 
     rows: int
     dim: int
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, ids):
-        table = self.param("table", nn.initializers.normal(0.01), (self.rows, self.dim))
+        init = nn.initializers.normal(0.01)
+        table = self.param("table", init, (self.rows, self.dim), self.dtype)
         return jnp.sum(jnp.take(table, ids, axis=0), axis=1)
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diffcost.zoo.dense import EncoderBlock
 
@@ -91,9 +93,10 @@ class ViT(nn.Module):
         p = self.patch
         x = nn.Conv(self.width, (p, p), (p, p), padding="VALID")(x)
         x = x.reshape(x.shape[0], -1, self.width)
-        cls = self.param("cls", nn.initializers.zeros, (1, 1, self.width))
+        cls = self.param("cls", nn.initializers.zeros, (1, 1, self.width), x.dtype)
         x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.width)), x], axis=1)
-        x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.width))
+        pos = self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.width), x.dtype)
+        x = x + pos
         for _ in range(self.depth):
             x = EncoderBlock(self.heads, self.mlp)(x)
         return nn.Dense(self.classes)(nn.LayerNorm()(x[:, 0]))
@@ -106,6 +109,9 @@ class SmallCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        # average pooling as a window sum (flax's avg_pool mixes int and float under strict
+        # dtype promotion)
+        x = nn.pooling.pool(x, np.zeros((), x.dtype), jax.lax.add, (2, 2), (2, 2), "VALID") / 4.0
         x = nn.max_pool(nn.relu(nn.Conv(64, (3, 3), (1, 1))(x)), (2, 2), (2, 2))
         return nn.Dense(self.classes)(x.reshape(x.shape[0], -1))
