@@ -157,6 +157,32 @@ def test_scan_counts_its_trip_count_and_while_is_noted():
     assert g.flops("forward", ["matmul"]) == 2.0 * 4 * 32 * 32
 
 
+def test_custom_vjp_and_cond_are_walked_into():
+    """A ``custom_vjp`` function's primal body is counted in the forward, its own backward
+    rule in the backward; a ``cond`` counts its costliest branch and says so."""
+
+    @jax.custom_vjp
+    def square_matmul(w, x):
+        return x @ w @ w
+
+    square_matmul.defvjp(
+        lambda w, x: (square_matmul(w, x), (w, x)),
+        lambda res, g: (res[1].T @ g @ res[0].T, g @ res[0].T @ res[0].T),
+    )
+    args = (spec(32, 32), spec(8, 32))
+    g = from_jax(square_matmul, *args)
+    assert g.flops("forward", ["matmul"]) == 2 * 2.0 * 8 * 32 * 32
+    backward = xla_flops(square_matmul, *args) - g.flops("forward")
+    assert g.flops("backward", ["matmul"]) == pytest.approx(backward, rel=FLOP_TOLERANCE)
+
+    def branchy(w, x):
+        return jax.lax.cond(x[0, 0] > 0, lambda: x @ w @ w, lambda: x @ w)
+
+    g = from_jax(branchy, *args, backward=False)
+    assert g.flops("forward", ["matmul"]) == 2 * 2.0 * 8 * 32 * 32
+    assert any("cond" in note and "costliest" in note for note in g.notes)
+
+
 def test_graph_edges_are_topological():
     fn, args = _block()
     g = from_jax(fn, *args, argnums=(0,))
