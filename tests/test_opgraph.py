@@ -4,6 +4,7 @@ loops, errors, and the per-operator pricing (``diffcost.opgraph.pricing``)."""
 from __future__ import annotations
 
 import doctest
+import functools
 
 import flax.linen as nn
 import jax
@@ -14,6 +15,7 @@ import pytest
 from diffcost import zoo
 from diffcost.arrays import cluster_arrays
 from diffcost.config import load_cluster
+from diffcost.kernels import gemm_s
 from diffcost.opgraph import Sbp, UnsupportedPrimitiveError, from_jax, graph_arrays, graph_time_s
 from diffcost.opgraph.pricing import on_chip
 from diffcost.opgraph.xla import xla_flops
@@ -112,6 +114,9 @@ def test_transformer_block_attention_products_are_attention():
     assert len(forward) == 2  # scores and the weighted sum of values
     # 2 x batch x heads x seq^2 x head_dim, twice
     assert sum(op.flops for op in forward) == 2 * 2.0 * 2 * 8 * 128 * 128 * 64
+    backward = g.select("backward", ["attention"])
+    assert len(backward) == 4  # both operands' gradients of both products
+    assert g.flops("backward", ["attention"]) == 2 * g.flops("forward", ["attention"])
 
 
 def test_saved_tensors_and_remat():
@@ -237,6 +242,30 @@ def test_graph_time_is_positive_jittable_and_differentiable(priced):
     leaves = jax.tree_util.tree_leaves(grad)
     assert all(np.all(np.isfinite(leaf)) for leaf in leaves)
     assert np.sum(np.abs(grad.gemm_eff_logit)) > 0 and np.abs(grad.mem_eff_logit) > 0
+
+
+def test_a_matmul_costs_what_the_kernel_model_says(priced):
+    """One fp32 product: the graph's forward time is ``kernels.gemm_s`` of its shape plus one
+    launch; nothing else in the graph costs anything (the arguments are not copied)."""
+    _, _, cluster, params = priced
+    g = from_jax(lambda w, x: x @ w, spec(256, 512), spec(1024, 256), backward=False)
+    rate = cluster.peak_flops[0] * params.gemm_eff[0]
+    expected = gemm_s(1024.0, 512.0, 256.0, rate, cluster, params, 1e-3)
+    forward, backward = graph_time_s(g, cluster, params, 1e-3)
+    np.testing.assert_allclose(forward, expected + params.kernel_overhead_s, rtol=1e-12)
+    assert backward == 0.0
+
+
+def test_a_scan_costs_its_trip_count(priced):
+    _, _, cluster, params = priced
+
+    def rnn(w, h, length):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), h, None, length=length)[0]
+
+    args = (spec(64, 64), spec(8, 64))
+    graphs = [from_jax(functools.partial(rnn, length=n), *args) for n in (3, 6)]
+    times = [graph_time_s(g, cluster, params) for g in graphs]
+    np.testing.assert_allclose(times[1], 2.0 * times[0], rtol=1e-12)
 
 
 def test_more_bandwidth_or_flops_never_slower(priced):
