@@ -126,6 +126,9 @@ def test_saved_tensors_and_remat():
     g = from_jax(mlp, *MLP_ARGS)
     saved_shapes = {g.tensors[t].shape for t in g.saved if g.tensors[t].producer >= 0}
     assert (16, 128) in saved_shapes
+    by_op = g.saved_by()
+    assert sum(g.tensors[t].bytes for ts in by_op.values() for t in ts) == g.saved_bytes
+    assert all(g.operators[i].phase == "forward" for i in by_op)
     assert g.saved_bytes >= 16 * 128 * 4
     for t in g.saved:  # every saved tensor is read by the backward pass
         assert any(t in op.inputs for op in g.select("backward"))

@@ -173,6 +173,16 @@ class Graph:
         activations; saved arguments such as weights are not counted)."""
         return sum(self.tensors[t].bytes for t in self.saved if self.tensors[t].producer >= 0)
 
+    def saved_by(self) -> dict[int, tuple[int, ...]]:
+        """For each operator whose outputs the backward pass reads from the forward, those
+        saved tensors (operator index -> tensor ids)."""
+        out: dict[int, tuple[int, ...]] = {}
+        for t in self.saved:
+            producer = self.tensors[t].producer
+            if producer >= 0:
+                out[producer] = (*out.get(producer, ()), t)
+        return out
+
     def edges(self) -> np.ndarray:
         """``[n_edges, 2]`` int array of (producer operator, consumer operator) pairs, one per
         tensor use (an operator reading a tensor twice gives one edge)."""
