@@ -90,6 +90,14 @@ CASES = {
         (spec(64, 64), spec(32, 64)),
     ),
     "transformer_block": _block(),
+    "embedding_bag": (
+        lambda t, ids: jnp.sum(jnp.take(t, ids, axis=0), axis=1),
+        (spec(1000, 128), spec(256, 20, dtype=jnp.int32)),
+    ),
+    "advanced_indexing": (
+        lambda t, ids: t[ids[:, 0], ids[:, 1]],
+        (spec(100, 50, 16), spec(64, 2, dtype=jnp.int32)),
+    ),
 }
 
 

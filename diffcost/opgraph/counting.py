@@ -7,8 +7,9 @@ pairs that land inside the (dilated) input, per spatial dimension (padding taps 
 elementwise operation one FLOP per output element, except transcendental ones (exp, log, tanh,
 logistic, erf, sqrt, rsqrt, pow, trigonometric), which are counted apart; a reduction one FLOP
 per input element beyond the output's; reshapes, broadcasts, transposes, slices, pads,
-concatenations, gathers and iota none. Bytes: every input read once and every output written
-once, except gathers and slices, which read only what they return.
+concatenations, gathers and iota none (a ``FILL_OR_DROP`` gather, as JAX lowers it, adds its
+bounds mask and a select per element: ``_fill_or_drop_flops``). Bytes: every input read once
+and every output written once, except gathers and slices, which read only what they return.
 
 ``cost`` raises ``UnsupportedPrimitiveError`` (naming the primitive and the supported ones) for
 a primitive it has no rule for.
@@ -168,6 +169,16 @@ def _integer_pow_flops(y: int) -> int:
     return e.bit_length() - 1 + bin(e).count("1") - 1 + (1 if y < 0 else 0)
 
 
+def _fill_or_drop_flops(indices, out_size: float) -> float:
+    """A gather in ``FILL_OR_DROP`` mode (``jnp.take``'s default) is lowered with a bounds mask:
+    two compares and an ``and`` per index component, an ``and``-reduction over each index
+    vector, and a select between the gathered value and the fill value per output element."""
+    shape = indices.shape
+    vector = shape[-1] if shape else 1
+    tuples = math.prod(shape[:-1]) if shape else 1
+    return float(tuples * (3 * vector + vector - 1) + out_size)
+
+
 def _bytes(name, in_avals, out_avals) -> tuple[float, float]:
     written = float(sum(aval_bytes(a) for a in out_avals))
     if name in _PARTIAL_READ:
@@ -215,7 +226,9 @@ def cost(name: str, in_avals, out_avals, params) -> OpCost:
         kind = "layout"
     elif name in GATHER:
         kind = "gather"
-        if name not in ("gather", "scatter"):  # one combiner step per update element
+        if name == "gather" and "FILL_OR_DROP" in str(params.get("mode", "")):
+            flops = _fill_or_drop_flops(in_avals[1], out_size)
+        elif name != "scatter" and name != "gather":  # one combiner step per update element
             flops = float(_size(in_avals[2]))
     elif name in COLLECTIVE:
         kind = "collective"
