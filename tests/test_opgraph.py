@@ -199,6 +199,22 @@ def test_custom_vjp_and_cond_are_walked_into():
     assert any("cond" in note and "costliest" in note for note in g.notes)
 
 
+def test_shard_map_collectives_become_collective_operators():
+    """Inside ``shard_map`` the walk sees per-device shapes; ``psum`` is a collective operator
+    in the forward and (transposed) in the backward."""
+    mesh = jax.make_mesh((1,), ("x",))
+    spec_none = jax.sharding.PartitionSpec()
+
+    def body(w, x):
+        return jax.lax.psum(x @ w, "x")
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec_none, spec_none), out_specs=spec_none,
+                       check_vma=False)  # fmt: skip
+    g = from_jax(fn, spec(64, 32), spec(16, 64))
+    assert g.select("forward", ["collective"]) and g.select("backward", ["collective"])
+    assert g.flops("forward", ["matmul"]) == 2.0 * 16 * 64 * 32
+
+
 def test_graph_edges_are_topological():
     fn, args = _block()
     g = from_jax(fn, *args, argnums=(0,))

@@ -40,7 +40,6 @@ _CALLS = {
     "remat": "jaxpr",
     "remat2": "jaxpr",
     "shard_map": "jaxpr",
-    "custom_lin": None,
 }
 _ATTENTION_SCOPE = "attention"
 
@@ -105,11 +104,7 @@ class _Builder:
         in_ids = [self.read(env, v) for v in eqn.invars]
         here = str(eqn.source_info.name_stack) or scope
         if name in _CALLS:
-            body = eqn.params.get(_CALLS[name]) if _CALLS[name] else None
-            if body is None:
-                raise counting.UnsupportedPrimitiveError(
-                    f"from_jax: the call primitive {name!r} carries no jaxpr to walk into"
-                )
+            body = eqn.params[_CALLS[name]]
             if name == "pjit" and eqn.params.get("name"):
                 here = f"{here}/{eqn.params['name']}" if here else eqn.params["name"]
             out = self.walk(body, in_ids, phase, count, here)
