@@ -236,6 +236,8 @@ def test_bad_arguments_are_named():
         from_jax(lambda x, y: x, spec(3), "not an array")
     with pytest.raises(ValueError, match="argument 1 .*not floating point"):
         from_jax(lambda x, i: x[i], spec(3), spec(2, dtype=jnp.int32), argnums=(1,))
+    with pytest.raises(ValueError, match=r"output \[1\] has dtype int32.*backward=False"):
+        from_jax(lambda x: (x * 2.0, jnp.argmax(x).astype(jnp.int32)), spec(3))
     with pytest.raises(ValueError, match="valid: 'S', 'B', 'P'"):
         Sbp("X")
     with pytest.raises(ValueError, match="split needs a tensor axis"):

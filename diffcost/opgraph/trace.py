@@ -274,6 +274,7 @@ def from_jax(fn, *example_args, argnums=None, backward: bool = True) -> Graph:
     fwd_jaxpr, (out_shape, vjp_shape) = jax.make_jaxpr(forward, return_shape=True)(diff, rest)
     fwd_in = [t for i in wrt for t in arg_ids[i]] + [t for i in others for t in arg_ids[i]]
     fwd_out = b.walk(fwd_jaxpr, fwd_in, "forward", 1, "")
+    _check_outputs(out_shape)
     n_out = len(jax.tree_util.tree_leaves(out_shape))
     residuals, vjp_tree = jax.tree_util.tree_flatten(vjp_shape)
 
@@ -288,6 +289,17 @@ def from_jax(fn, *example_args, argnums=None, backward: bool = True) -> Graph:
     read = {t for op in b.operators if op.phase == "backward" for t in op.inputs} | set(grads)
     saved = tuple(dict.fromkeys(t for t in fwd_out[n_out:] if t is not None and t in read))
     return _graph(b, inputs, fwd_out[:n_out], grads, saved)
+
+
+def _check_outputs(out_shape):
+    """A backward pass needs floating-point outputs to take a cotangent."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(out_shape):
+        if not np.issubdtype(leaf.dtype, np.inexact):
+            raise ValueError(
+                f"from_jax: output {jax.tree_util.keystr(path) or '(the result)'} has dtype "
+                f"{leaf.dtype}; the backward pass needs floating-point outputs only (return "
+                f"the integer outputs from another function, or pass backward=False)"
+            )
 
 
 def _live_operators(b: _Builder, roots) -> list[int]:
