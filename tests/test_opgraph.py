@@ -12,14 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffcost import zoo
-from diffcost.arrays import cluster_arrays
+from diffcost import workload, zoo
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
 from diffcost.config import load_cluster
 from diffcost.kernels import gemm_s
 from diffcost.opgraph import Sbp, UnsupportedPrimitiveError, from_jax, graph_arrays, graph_time_s
 from diffcost.opgraph.pricing import on_chip
 from diffcost.opgraph.xla import xla_flops
 from diffcost.params import default_params
+from diffcost.specs import ModelSpec, PlanSpec
 
 FLOP_TOLERANCE = 0.02  # the issue's bar: within 2% of XLA's cost analysis
 # Against the lowered module (before XLA's passes) the counts agree to rounding: what is left is
@@ -125,6 +126,22 @@ def test_transformer_block_attention_products_are_attention():
     backward = g.select("backward", ["attention"])
     assert len(backward) == 4  # both operands' gradients of both products
     assert g.flops("backward", ["attention"]) == 2 * g.flops("forward", ["attention"])
+
+
+def test_transformer_block_gemms_equal_the_closed_form_workload():
+    """The graph's matrix-product FLOPs of the zoo's encoder block equal what
+    ``workload.layer_forward_flops`` says for the same shape (the transformer path's GEMMs and
+    full-square attention), to the FLOP."""
+    block = zoo.model("transformer_block", batch=4)
+    g = from_jax(block.fn, *block.args, argnums=block.argnums)
+    model = ModelSpec(
+        name="block", n_layers=1, hidden=512, ffn_hidden=2048, heads=8, kv_heads=8, seq_len=128,
+        vocab=32000, mlp="gelu", norm="layernorm", bias=True, tied_embeddings=False,
+        attention="unfused",
+    )  # fmt: skip
+    arrays = model_arrays(model), plan_arrays(PlanSpec(microbatch=4))
+    expected = float(workload.layer_forward_flops(*arrays))
+    assert g.flops("forward", ["matmul", "attention"]) == expected
 
 
 def test_saved_tensors_and_remat():
