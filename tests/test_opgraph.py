@@ -314,6 +314,15 @@ def test_a_scan_costs_its_trip_count(priced):
     np.testing.assert_allclose(times[1], 2.0 * times[0], rtol=1e-12)
 
 
+def test_graph_time_compiles_once(priced):
+    _, arrays, cluster, params = priced
+    step = jax.jit(graph_time_s)
+    step(arrays, cluster, params)
+    other = params.replace(mem_eff_logit=params.mem_eff_logit + 0.5)
+    step(arrays, cluster, other)
+    assert step._cache_size() == 1
+
+
 def test_more_bandwidth_or_flops_never_slower(priced):
     _, arrays, cluster, params = priced
     base = np.sum(graph_time_s(arrays, cluster, params))
