@@ -60,6 +60,24 @@ def test_docstring_examples_run():
     assert doctest.testmod(zoo).failed == 0
 
 
+def test_a_traced_training_step_has_its_own_backward():
+    """``fn`` that takes its own gradients, traced with ``backward=False``: its reverse-mode
+    operations are the backward phase, the same products as ``from_jax`` adds to the loss."""
+
+    def loss(w1, w2, x):
+        return jnp.mean(mlp(w1, w2, x) ** 2)
+
+    def train_step(w1, w2, x):
+        g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+        return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+    step = from_jax(train_step, *MLP_ARGS, backward=False)
+    reference = from_jax(loss, *MLP_ARGS, argnums=(0, 1))
+    for phase in ("forward", "backward"):
+        assert step.flops(phase, ["matmul"]) == reference.flops(phase, ["matmul"])
+    assert step.flops("backward", ["matmul"]) > 0
+
+
 def test_forward_only_graph_has_no_backward():
     g = from_jax(mlp, *MLP_ARGS, backward=False)
     assert not g.select("backward") and not g.saved and g.flops() > 0

@@ -42,6 +42,8 @@ _CALLS = {
     "shard_map": "jaxpr",
 }
 _ATTENTION_SCOPE = "attention"
+# JAX names the scope of the operations its transpose (reverse-mode) rules emit "transpose(...)".
+_TRANSPOSED = "transpose("
 
 
 def _open(jaxpr):
@@ -150,6 +152,8 @@ class _Builder:
         in_avals = [v.aval for v in eqn.invars]
         out_avals = [v.aval for v in eqn.outvars]
         c = counting.cost(name, in_avals, out_avals, eqn.params)
+        if _TRANSPOSED in scope:  # a traced training step's own backward (jax.grad)
+            phase = "backward"
         kind = c.kind
         if kind == "matmul" and c.gemm[0] > 1 and _ATTENTION_SCOPE in scope.lower():
             kind = "attention"
@@ -237,7 +241,11 @@ def from_jax(fn, *example_args, argnums=None, backward: bool = True) -> Graph:
         *example_args: pytrees of ``jax.ShapeDtypeStruct`` (or arrays: only their shapes and
             dtypes are used; nothing runs).
         argnums: argument positions to differentiate; default every floating-point argument.
-        backward: False for the forward pass alone (no saved tensors).
+        backward: False to trace ``fn`` as it is, with no backward added (no saved tensors):
+            for a forward pass alone, or for a training step that takes its own gradients
+            (``jax.grad`` inside ``fn``), whose reverse-mode operations are then the graph's
+            backward phase (JAX names their scope ``transpose(...)``); everything else,
+            optimizer update included, is the forward phase.
 
     Returns:
         A ``Graph``. Its ``inputs`` are the flattened arguments in order; ``outputs`` the
