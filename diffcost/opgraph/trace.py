@@ -47,10 +47,9 @@ _TRANSPOSED = "transpose("
 
 
 def _open(jaxpr):
-    """(Jaxpr, consts) of a closed or open jaxpr."""
-    if isinstance(jaxpr, jcore.ClosedJaxpr):
-        return jaxpr.jaxpr, jaxpr.consts
-    return jaxpr, ()
+    """The open jaxpr of a closed or open one (a closed jaxpr's constants become argument-like
+    tensors of the graph: no operator produces them)."""
+    return jaxpr.jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else jaxpr
 
 
 class _Builder:
@@ -72,12 +71,8 @@ class _Builder:
     def walk(self, jaxpr, in_ids, phase, count, scope) -> list[int | None]:
         """Add the operators of ``jaxpr`` (closed or open) whose inputs are tensors ``in_ids``
         (None for a literal); returns its outputs' tensor ids."""
-        inner, consts = _open(jaxpr)
-        env: dict = {}
-        for var, _ in zip(inner.constvars, consts):
-            env[var] = self.tensor(var.aval)
-        for var in inner.constvars[len(consts) :]:
-            env[var] = self.tensor(var.aval)
+        inner = _open(jaxpr)
+        env: dict = {var: self.tensor(var.aval) for var in inner.constvars}
         for var, tid in zip(inner.invars, in_ids):
             env[var] = self.tensor(var.aval) if tid is None else tid
         for eqn in inner.eqns:
