@@ -37,7 +37,7 @@ from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
 from diffcost.config import load_cluster
-from diffcost.gpus import FAMILY_CLUSTER, cluster_family, gpu_family
+from diffcost.gpus import FAMILY_CLUSTER, FAMILY_PARENT, cluster_family, gpu_family
 from diffcost.params import CONSTANTS, GEMM_GRID_CLASSES, Params, default_params
 from diffcost.profiles import (
     CLUSTER_FIELDS,
@@ -107,6 +107,9 @@ class FitConfig:
     device_layer_grid: bool = False
     # Whether per-stack offsets (diffcost.stacks) are fitted; when False they stay 0.
     stacks: bool = True
+    # Whether a family's device prior is centred on its relative's fitted constants
+    # (``family_parents``) rather than on the datasheet defaults.
+    family_parents: bool = True
 
 
 @dataclasses.dataclass
@@ -325,9 +328,10 @@ def predict_log(dev_tab, clu_tab, data, temperature):
 
 
 def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None = None):
-    """Every device and cluster row at its starting constants: the datasheet defaults, or
-    ``start[cluster]`` (e.g. the cluster's calibrated profile) for the clusters it names; a
-    family's device row starts from its first such cluster."""
+    """Every device and cluster row at its starting constants: the datasheet defaults (a
+    family's device row with its ``FAMILY_DEFAULTS``), or ``start[cluster]`` (e.g. the
+    cluster's calibrated profile) for the clusters it names; a family's device row starts from
+    its first such cluster."""
     p0 = default_params(dtype)
     start = start or {}
     by_cluster = [start.get(name, p0) for name in problem.clusters]
@@ -338,7 +342,7 @@ def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None
             for name in problem.clusters
             if name in start and cluster_family(name) == fam
         ]
-        by_family.append(same[0] if same else p0)
+        by_family.append(same[0] if same else default_params(dtype, fam))
 
     def rows(params_list, leaves):
         params_list = params_list or [p0]
@@ -378,6 +382,27 @@ def redescend_at(cfg: FitConfig, step: int) -> float:
     return float(np.clip((step - lo) / max(hi - lo, 1e-9), 0.0, 1.0))
 
 
+def family_parents(families, start=None, enabled=True) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each family's ``FAMILY_PARENT`` in ``families`` or its own row, whether it has
+    one there). Without ``start``, a family with its parent in the fit has its device prior
+    centred on the parent's fitted constants (held fixed in that term) rather than on the
+    datasheet defaults: the Adam steps move a constant no data inform toward the relative's
+    (the prior is weak, but Adam's steps do not scale with the gradient). A fit that starts
+    from profiles (``diffcost calibrate``) keeps its prior on them, and so does every family
+    when not ``enabled`` (``FitConfig.family_parents``)."""
+    rows = np.arange(len(families))
+    if start or not enabled:
+        return rows, np.zeros(len(families), dtype=bool)
+    parent = np.array([families.index(FAMILY_PARENT[f]) if FAMILY_PARENT.get(f) in families
+                       else i for i, f in enumerate(families)])  # fmt: skip
+    return parent, parent != rows
+
+
+def _rows(mask, leaf):
+    """``mask`` over a table's rows, shaped to broadcast against ``leaf``."""
+    return jnp.asarray(mask).reshape((-1,) + (1,) * (jnp.ndim(leaf) - 1))
+
+
 def make_loss(
     problem: Problem,
     cfg: FitConfig,
@@ -392,6 +417,7 @@ def make_loss(
     dev0, clu0 = initial_tables(problem, dtype, start)
     level_w = dict(zip(("e2e", "coll", "gemm"), cfg.weights))
     level_w.update(attn=cfg.attention_weight, mem=cfg.memory_weight)
+    parent, has_parent = family_parents(problem.families, start, cfg.family_parents)
     measured = np.zeros(len(problem.families), dtype=bool)
     if "attn" in problem.data:
         measured[np.unique(np.asarray(problem.data["attn"]["d"]))] = True
@@ -415,9 +441,12 @@ def make_loss(
             total = total + level_w[level] * share * jnp.sum(
                 w * robust_penalty(resid, cfg.huber_delta, redescend)
             ) / jnp.sum(w)
+        centre = {k: jnp.where(
+            _rows(has_parent, v), jax.lax.stop_gradient(dev[k][parent]), v
+        ) for k, v in dev0.items()}  # fmt: skip
         prior = sum(
             jnp.sum(jnp.square((tab[k] - tab0[k]) / PRIOR_SD_LEAF[k]))
-            for tab, tab0 in ((dev, dev0), (clu, clu0))
+            for tab, tab0 in ((dev, centre), (clu, clu0))
             for k in tab
         )
         loss = total + cfg.prior_weight * prior

@@ -91,11 +91,10 @@ def trained_keys(problem: F.Problem, weights: dict) -> tuple[set, set]:
 def tables_from_result(res: F.FitResult, problem: F.Problem):
     """Raw (dev, clu) tables in ``problem``'s order, rebuilt from ``res.params_by_cluster``
     (each cluster's Params holds its family's device row and its own cluster row)."""
-    p0 = default_params()
     dev = {leaf: [] for leaf in F.DEVICE_LEAVES}
     for fam in problem.families:
         rep = next((c for c in problem.clusters if preset_family(c) == fam), None)
-        src = res.params_by_cluster[rep] if rep is not None else p0
+        src = res.params_by_cluster[rep] if rep is not None else default_params(family=fam)
         for leaf in F.DEVICE_LEAVES:
             dev[leaf].append(jnp.asarray(getattr(src, leaf)))
     clu = {
@@ -146,18 +145,20 @@ def map_tables(
     p0 = default_params()
     fallback = unseen_cluster or {}
 
-    def rows(names, src_names, trained, tab, leaves, n):
+    def rows(names, src_names, trained, tab, leaves, n, starts):
         out = {}
         for leaf in leaves:
-            d = jnp.asarray(fallback.get(leaf, getattr(p0, leaf)))
-            r = [tab[leaf][src_names.index(x)] if x in trained else d for x in names]
-            r += [d] * (n - len(r))
+            d = [jnp.asarray(fallback.get(leaf, getattr(p, leaf))) for p in starts]
+            r = [tab[leaf][src_names.index(x)] if x in trained else dx for x, dx in zip(names, d)]
+            r += [jnp.asarray(fallback.get(leaf, getattr(p0, leaf)))] * (n - len(r))
             out[leaf] = jnp.stack(r)
         return out
 
-    clu = rows(target.clusters, src.clusters, clus, clu_t, F.CLUSTER_LEAVES, n_clu)
+    clu_starts = [p0] * len(target.clusters)
+    clu = rows(target.clusters, src.clusters, clus, clu_t, F.CLUSTER_LEAVES, n_clu, clu_starts)
     clu.update({key: clu_t[key] for key in F.STACK_KEYS if key in clu_t})  # one row per stack
-    return rows(target.families, src.families, fams, dev_t, F.DEVICE_LEAVES, n_fam), clu
+    fam_starts = [default_params(family=f) for f in target.families]  # FAMILY_DEFAULTS
+    return rows(target.families, src.families, fams, dev_t, F.DEVICE_LEAVES, n_fam, fam_starts), clu
 
 
 def target_tables(rows, src: F.Problem, tables, fams: set, clus: set, unseen_cluster=None,

@@ -23,6 +23,16 @@ FAMILY_CLUSTER = {
     "gb200": "generic-gb200-nvl72",
     "gb300": "generic-gb300-nvl72",
 }
+# A GPU family's nearest relative of the same architecture (the same compute die or its
+# generation): where data say nothing about one of a family's device constants, calibration
+# draws it toward the relative's (``calibration.fit``'s prior), and a family without a
+# calibrated profile predicts with the relative's (``diffcost.profiles.params_for``).
+FAMILY_PARENT = {
+    "gb200": "b200",  # the B200 die in a Grace-Blackwell superchip
+    "h200": "h100",  # the H100 die with HBM3e
+    "h800": "h100",
+    "gh200": "h100",
+}
 _PEAKS: dict[str, dict[str, float]] = {}
 _PRESET_GPU: dict[str, str | None] = {}
 

@@ -275,13 +275,35 @@ def raw_default(constant: Constant, dtype=None) -> jax.Array:
     return jnp.asarray(raw, dtype=dtype)
 
 
-def default_params(dtype=None) -> Params:
-    """Params at their datasheet defaults (``dtype`` defaults to JAX's default float).
+# Device constants whose default differs by GPU architecture, from published kernel figures:
+# GPU family -> {constant name: constrained value}. They replace ``Constant.default`` for that
+# family wherever the datasheet defaults stand in (the fit's starting point and prior centre,
+# predictions of a family without a calibrated profile).
+#
+# attn_flash_odds on Hopper: FlashAttention-2 uses Ampere's synchronous tensor-core
+# instructions and reaches about a third of an H100's dense peak, while the Hopper-tuned
+# kernels (cuDNN, FlashAttention-3) reach about 60%. Shah et al., "FlashAttention-3" (2024),
+# attention forward speed, head dim 128, sequence 4k, H100 SXM5 BF16: FlashAttention-2 368
+# TFLOP/s, cuDNN 609 TFLOP/s, of 989 dense: odds 0.593 against 1.603, a ratio of 0.37. On Ampere
+# FlashAttention-2 is the tuned kernel (ratio 1, the default).
+_HOPPER = {"attn_flash_odds": 0.37}
+FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
+    family: _HOPPER for family in ("h100", "h200", "h800", "h20", "gh200")
+}
+
+
+def default_params(dtype=None, family: str | None = None) -> Params:
+    """Params at their datasheet defaults (``dtype`` defaults to JAX's default float), with
+    ``FAMILY_DEFAULTS[family]`` in place of them for a GPU family that has entries there.
 
     Leaves are strongly typed: a weakly typed leaf would turn strong after one optimizer step,
     and a jit-compiled step would then compile a second time.
     """
-    return Params(**{c.leaf: raw_default(c, dtype) for c in CONSTANTS})
+    values = {c.leaf: raw_default(c, dtype) for c in CONSTANTS}
+    for name, value in FAMILY_DEFAULTS.get(family, {}).items():
+        c = CONSTANT[name]
+        values[c.leaf] = raw_default(dataclasses.replace(c, default=value), dtype)
+    return Params(**values)
 
 
 def scalar_entries() -> tuple[tuple[str, Constant, int | None], ...]:

@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from diffcost import config
-from diffcost.gpus import gpu_family, preset_family
+from diffcost.gpus import FAMILY_PARENT, gpu_family, preset_family
 from diffcost.params import (
     CONSTANTS,
     GEMM_GRID,
@@ -212,6 +212,15 @@ def device_path(family: str) -> Path:
     return PROFILES_DIR / f"device-{family}.yaml"
 
 
+def device_profile(family: str) -> Path:
+    """The device profile ``family`` predicts with: its own, or where it has none its
+    ``FAMILY_PARENT``'s (a GPU of the same architecture); the path need not exist."""
+    own, relative = device_path(family), FAMILY_PARENT.get(family)
+    if not own.exists() and relative and device_path(relative).exists():
+        return device_path(relative)
+    return own
+
+
 def cluster_path(cluster: str) -> Path:
     return PROFILES_DIR / f"{cluster}.yaml"
 
@@ -324,13 +333,13 @@ def params_for(
         The Params and a one-line note saying which layers were used and which constants are
         datasheet defaults.
     """
-    params = default_params(dtype)
     family = gpu_family(cluster.gpu.name)
+    params = default_params(dtype, family)
     if profile is not None and str(profile) == "none":
         return params, "datasheet defaults (--profile none)"
     if profile is not None:
         return _explicit(cluster, family, Path(profile), params)
-    used, dev, path = [], device_path(family), cluster_path(cluster.name)
+    used, dev, path = [], device_profile(family), cluster_path(cluster.name)
     if not path.exists() and population_path().exists():
         path = population_path()
     if dev.exists():
@@ -347,6 +356,8 @@ def params_for(
     note = " + ".join(used)
     if not dev.exists():
         note += f"; device constants: datasheet defaults (no profile for {family} GPUs)"
+    elif dev != device_path(family):
+        note += f" (no profile for {family} GPUs: the {FAMILY_PARENT[family]} family's)"
     if path == population_path():
         note += f" (no profile for {cluster.name}: the mean of the fitted clusters)"
     elif not path.exists():
@@ -403,7 +414,7 @@ def uncertainty_for(cluster: ClusterSpec, profile: str | os.PathLike | None = No
     own = cluster_path(cluster.name)
     if not own.exists() and population_path().exists():
         own = population_path()  # as params_for: the population's constants and spread
-    for layer, path in (("device", device_path(gpu_family(cluster.gpu.name))), ("cluster", own)):
+    for layer, path in (("device", device_profile(gpu_family(cluster.gpu.name))), ("cluster", own)):
         if path.exists():
             doc = _read(path)
             unc = _uncertainty_block(unc, path, doc, layer)

@@ -50,3 +50,35 @@ def test_profile_round_trip_of_every_constant():
     again = profiles.apply_values(default_params(), values)
     for c in CONSTANTS:
         np.testing.assert_allclose(getattr(again, c.leaf), getattr(params, c.leaf), atol=1e-6)
+
+
+def test_family_defaults_replace_the_datasheet_default_for_their_family_only():
+    from diffcost.config import load_cluster
+    from diffcost.params import FAMILY_DEFAULTS
+
+    assert default_params(family="h100").attn_flash_odds == pytest.approx(0.37, rel=1e-6)
+    a100, plain = default_params(family="a100"), default_params()
+    for c in CONSTANTS:  # a family without entries gets the datasheet defaults exactly
+        np.testing.assert_array_equal(getattr(a100, c.leaf), getattr(plain, c.leaf))
+    for family, entries in FAMILY_DEFAULTS.items():
+        assert set(entries) <= {c.name for c in CONSTANTS if c.level == "device"}, family
+    h100 = profiles.params_for(load_cluster("dgx-h100"), "none")[0]
+    assert h100.attn_flash_odds == pytest.approx(0.37, rel=1e-6)
+
+
+def test_flash_attention_2_is_slower_than_cudnn_on_hopper_not_on_ampere():
+    from helpers import GPT, PLANS
+
+    from diffcost import api
+    from diffcost.config import load_cluster
+    from diffcost.specs import Experiment
+
+    def seconds(cluster, attention):
+        model = dataclasses.replace(GPT, attention=attention, seq_len=8192)
+        exp = Experiment(model=model, plan=PLANS["single"], cluster=load_cluster(cluster))
+        return float(api.predict(exp, profile="none").iteration_s)
+
+    assert seconds("dgx-h100", "flash") > 1.05 * seconds("dgx-h100", "cudnn")
+    assert seconds("generic-a100-80g", "flash") == pytest.approx(
+        seconds("generic-a100-80g", "cudnn"), rel=1e-9
+    )
