@@ -1,8 +1,9 @@
 """How well the calibrated model predicts setups its fit has never seen: leave one source out,
 leave one cluster out, and few-shot refits.
 
-    python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--no-few-shot] [--suggest]
-                                  [--unseen population|defaults] [--device-layer-grid]
+    python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
+        [--no-few-shot] [--few-shot own|joint] [--suggest] [--unseen population|defaults]
+        [--device-layer-grid] [--no-stacks] [--no-family-parents]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
 usually from a cluster, a framework or a scale no measurement covers.
@@ -17,10 +18,12 @@ usually from a cluster, a framework or a scale no measurement covers.
    tau; ``coverage_pct`` and ``median_width_pct`` of the 80% intervals (``add_intervals``). A
    group equal to another (the cluster of a one-cluster source) reuses that fit.
 2. **Few-shot.** Per source group: k = 3 and k = 10 of its runs (``DRAWS`` random draws each)
-   join the training set (each draw's rows weigh as one source, as every source does), and a
-   short refit (``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``) starts from that source's
-   zero-shot fit — the path a user takes with ``diffcost calibrate``. The source's other runs
-   are predicted; per k the mean and the worst draw's MAPE.
+   refit the constants, warm-started from that source's zero-shot fit, and the source's other
+   runs are predicted; per k the mean and the worst draw's MAPE. ``--few-shot own`` (the
+   default) is ``diffcost calibrate``'s path: the end-to-end level holds the k runs alone (the
+   kernel and collective tables stay), fitted with calibrate's settings. ``--few-shot joint``
+   adds the k runs to the zero-shot training runs as one more source and continues the whole
+   fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR`` (``Transfer.refit``).
 
 ``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
 ``diffcost suggest``'s design against 3 random ones. ``--quick`` fits 60 steps, leaves out the
@@ -41,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from cv_report import clean_json, finish, fmt, grouped_pred_meas  # noqa: E402
 
@@ -81,11 +85,22 @@ class Transfer:
         self.quiet = args.json
         self.quick = bool(args.quick)
         self.unseen = args.unseen
-        knobs = {"device_layer_grid": args.device_layer_grid, "stacks": not args.no_stacks}
+        knobs = {
+            "device_layer_grid": args.device_layer_grid,
+            "stacks": not args.no_stacks,
+            "family_parents": not args.no_family_parents,
+        }
         self.cfg = F.FitConfig(steps=60 if args.quick else F.FitConfig().steps, **knobs)
         self.few_cfg = F.FitConfig(
             steps=30 if args.quick else FEW_SHOT_STEPS, learning_rate=FEW_SHOT_LR, **knobs
         )
+        self.few_shot = args.few_shot
+        # ``diffcost calibrate``'s settings: its default steps, the stack's effect in the
+        # cluster's own constants (the offsets the zero-shot fit found stay as they are)
+        self.own_cfg = F.FitConfig(
+            steps=60 if args.quick else F.FitConfig().steps, **{**knobs, "stacks": False}
+        )
+        self.refit_cfg = self.own_cfg if self.few_shot == "own" else self.few_cfg
         self.meas = load_data(Path(args.data))
         self.e2e = self.meas.e2e
         self.src = np.array([r.source_name for r in self.e2e])
@@ -141,6 +156,46 @@ class Transfer:
         params = F.assemble(dev, clu, d["d"], d["c"], d["s"])
         _, jac = log_time_jacobians(d["model"], d["plan"], d["cluster"], params)
         return np.asarray(jac, dtype=float)
+
+    def refit(self, held: np.ndarray, shot: np.ndarray) -> float:
+        """MAPE on the held-out source's other runs after a refit with its runs ``shot``
+        (indices), warm-started from the zero-shot fit (``--few-shot``):
+
+        * ``own`` (default): ``diffcost calibrate``'s path. The end-to-end level holds the shot
+          runs alone (the collective and GEMM tables stay); a cluster the zero-shot fit had no
+          row of starts at the population's constants (what its prediction used).
+        * ``joint``: the shot runs join the zero-shot training runs as one more source, and a
+          short refit (``FEW_SHOT_STEPS`` at ``FEW_SHOT_LR``) continues the whole fit.
+        """
+        _, tables0, w0 = self.zero_shot_fits[held.tobytes()]
+        picked = np.zeros_like(held)
+        picked[shot] = True
+        if self.few_shot == "joint":
+            _, tables, w, _ = self.fit(~held | picked, self.few_cfg, init=tables0)
+        else:
+            _, tables, w, _ = self.fit(
+                picked, self.own_cfg, init=self.population_start(tables0, w0)
+            )
+            # clusters whose constants the zero-shot fit set still count as fitted
+            w = {**w, "e2e": np.where((w0["e2e"] > 0) | picked, 1.0, 0.0)}
+        rest = np.setdiff1d(np.flatnonzero(held), shot)
+        return float(ape_pct(self.predict(rest, tables, w), self.log_meas[rest]).mean())
+
+    def population_start(self, tables, w) -> tuple[dict, dict]:
+        """``tables`` with the cluster rows of clusters no weighted row of ``w`` names set to
+        the population's constants (``unseen_row``), as their zero-shot prediction had them."""
+        unseen = self.unseen_row(tables, w)
+        _, clus = trained_keys(self.P, w)
+        rows = np.array([c not in clus for c in self.P.clusters])
+        if unseen is None or not rows.any():
+            return tables
+        dev, clu = tables
+        clu = dict(clu)
+        for leaf, value in unseen.items():
+            clu[leaf] = jnp.where(
+                rows.reshape((-1,) + (1,) * (clu[leaf].ndim - 1)), value[None], clu[leaf]
+            )
+        return dev, clu
 
 
 def group_metrics(pred: np.ndarray, meas: np.ndarray) -> dict:
@@ -223,18 +278,11 @@ def add_intervals(groups: list, preds: dict, t: Transfer) -> None:
 
 def few_shot(t: Transfer, name: str, held: np.ndarray, k: int, draws: int) -> dict:
     """k runs of a held-out source join the training set; the refit predicts the rest."""
-    _, tables0, _ = t.zero_shot_fits[held.tobytes()]
     idx = np.flatnonzero(held)
     mapes = []
     for draw in range(draws):
         rng = np.random.default_rng(1000 * k + draw)
-        shot = rng.choice(idx, size=k, replace=False)
-        train = ~held
-        train[shot] = True
-        res, tables, w, _ = t.fit(train, t.few_cfg, init=tables0)
-        rest = np.setdiff1d(idx, shot)
-        pred = t.predict(rest, tables, w)
-        mapes.append(float(ape_pct(pred, t.log_meas[rest]).mean()))
+        mapes.append(t.refit(held, rng.choice(idx, size=k, replace=False)))
     t.say(f"few-shot {name} k={k}: MAPE {np.mean(mapes):.1f}% (worst draw {max(mapes):.1f}%)")
     return {
         "kind": "source",
@@ -260,11 +308,7 @@ def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
     noise = g.get("interval_sd", {}).get("residual", 0.05) ** 2
     picks = [i for i, _ in greedy_design(jac.mean(0), jac, prior_uncertainty().cov, noise, k)]
     shot = idx[picks]
-    train = ~held
-    train[shot] = True
-    _, tables, w, _ = t.fit(train, t.few_cfg, init=tables0)
-    rest = np.setdiff1d(idx, shot)
-    mape = float(ape_pct(t.predict(rest, tables, w), t.log_meas[rest]).mean())
+    mape = t.refit(held, shot)
     random = few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS)
     t.say(f"suggested {g['name']} k={k}: MAPE {mape:.1f}% (random {random['mape_pct_mean']:.1f}%)")
     return {
@@ -278,11 +322,21 @@ def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
     }
 
 
-def _groups(t: Transfer, quick: bool) -> list[tuple[str, str, np.ndarray]]:
+def _groups(t: Transfer, quick: bool, names=None) -> list[tuple[str, str, np.ndarray]]:
+    """(kind, name, held-out mask) of every group with ``MIN_ROWS`` runs; only the sources with
+    ``quick``; only those named in ``names`` when given (an unknown name raises ValueError)."""
     groups = [("source", s, t.src == s) for s in sorted(set(t.src))]
-    if not quick:
+    if not quick or names:
         groups += [("cluster", c, t.cluster == c) for c in sorted(set(t.cluster))]
-    return [g for g in groups if g[2].sum() >= MIN_ROWS]
+    groups = [g for g in groups if g[2].sum() >= MIN_ROWS]
+    if names:
+        known = {g[1] for g in groups}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(f"--groups: {', '.join(unknown)} is not a source or cluster with "
+                             f"{MIN_ROWS}+ runs; valid: {', '.join(sorted(known))}")  # fmt: skip
+        groups = [g for g in groups if g[1] in names]
+    return groups
 
 
 def summary(groups: list, few: list) -> dict:
@@ -306,7 +360,8 @@ def summary(groups: list, few: list) -> dict:
 def measure(args) -> dict:
     t = Transfer(args)
     groups, preds = [], {}
-    for kind, name, held in _groups(t, t.quick or args.sources_only):
+    names = [n for n in args.groups.split(",") if n] if args.groups else None
+    for kind, name, held in _groups(t, t.quick or args.sources_only, names):
         m, pred = zero_shot(t, kind, name, held)
         groups.append(m)
         idx = np.flatnonzero(held)
@@ -348,8 +403,11 @@ def measure(args) -> dict:
             "fit_steps": t.cfg.steps,
             "device_layer_grid": t.cfg.device_layer_grid,
             "stacks": t.cfg.stacks,
-            "few_shot_steps": t.few_cfg.steps,
-            "few_shot_learning_rate": t.few_cfg.learning_rate,
+            "family_parents": t.cfg.family_parents,
+            "few_shot": t.few_shot,
+            "groups_selected": bool(args.groups),
+            "few_shot_steps": t.refit_cfg.steps,
+            "few_shot_learning_rate": t.refit_cfg.learning_rate,
             "frameworks": sorted(FRAMEWORK_DEFAULTS),
             "plot": plot,
             "interval_note": "80% intervals: residual and stack spreads from the other groups "
@@ -428,7 +486,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
     ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
+    ap.add_argument("--few-shot", choices=("own", "joint"), default="own",
+                    help="how a few-shot refit uses the other runs (Transfer.refit)")  # fmt: skip
     ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
+    ap.add_argument("--groups", default="",
+                    help="only these comma-separated sources or clusters (the summary then "
+                         "covers them alone)")  # fmt: skip
     ap.add_argument("--suggest", action="store_true",
                     help="few-shot with 3 suggested runs of each source vs 3 random")  # fmt: skip
     ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
@@ -437,6 +500,8 @@ def main(argv=None) -> int:
                     help="fit the device layer shape grid too (FitConfig)")  # fmt: skip
     ap.add_argument("--no-stacks", action="store_true",
                     help="hold the software stack offsets at 0 (FitConfig)")  # fmt: skip
+    ap.add_argument("--no-family-parents", action="store_true",
+                    help="centre every device prior on the defaults (FitConfig)")  # fmt: skip
     ap.add_argument("--data", default=str(DATA), help="shared data directory")
     ap.add_argument("--plots", default=str(RESULTS), help="directory for the PNG plot ('' none)")
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"), help="results JSON")
