@@ -1,0 +1,149 @@
+"""Held-out calibration on MLPerf rows: a benchmark's implementation as a software stack.
+
+Every MLPerf benchmark is run by one tuned implementation (NVIDIA's PyTorch BERT with CUDA
+graphs and fused kernels; NeMo for Llama-2 70B LoRA) on every system. What sets it apart from
+the stacks the shipped profiles were fitted on is what a ``diffcost.stacks`` offset describes:
+kernel efficiencies, host work per op and microbatch, how much of it hides, per-iteration
+overhead. ``fit_offsets`` fits those offsets (``STACK_EFFECTS``, one raw offset each, on top
+of each row's shipped profile and stack) to the rows of one half; the other half is predicted
+with them.
+
+The halves (``submitter_halves``) split a benchmark's rows by submitter, so that a system's
+rows, and a submitter's other systems, are never on both sides. Each half is fitted once and
+predicts the other, so every row gets one held-out prediction.
+
+The fit is a maximum a posteriori estimate: Huber's penalty on the log residuals (width
+``HUBER_DELTA``) scaled by the noise ``NOISE_LOG``, and each offset's Gaussian prior of width
+``StackEffect.prior_sd``, by Adam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from calibration.fit import FitConfig, robust_penalty
+from calibration.records import E2ERecord
+from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
+from diffcost.profiles import params_for
+from diffcost.simulate import simulate
+from diffcost.stacks import STACK_EFFECTS, apply_stack
+
+# Spread of log(measured / predicted) the likelihood allows: about 10% (assumed; the runs of
+# one row spread by 0.1-2%, the model's own error is the larger part)
+NOISE_LOG = 0.1
+# Huber's penalty on the log residuals, quadratic up to this (``calibration.fit``'s default):
+# one row the model misses by a factor (BERT on 3,472 GPUs) pulls no harder than a 20% one
+HUBER_DELTA = FitConfig.huber_delta
+LEAVES = tuple(e.leaf for e in STACK_EFFECTS)
+PRIOR_SD = np.array([e.prior_sd for e in STACK_EFFECTS])
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    steps: int = 400
+    learning_rate: float = 0.05
+    temperature: float = 1e-3
+
+
+@struct.dataclass
+class Rows:
+    """Training runs as stacked arrays, each on its shipped profile and stack."""
+
+    model: object
+    plan: object
+    cluster: object
+    params: object  # batched Params: device + cluster profile + stack offsets of each row
+    log_meas: np.ndarray
+
+    @classmethod
+    def of(cls, records: list[E2ERecord]) -> Rows:
+        return cls(
+            model=stack([model_arrays(r.model) for r in records]),
+            plan=stack([plan_arrays(r.plan) for r in records]),
+            cluster=stack([cluster_arrays(r.cluster) for r in records]),
+            params=stack([params_for(r.cluster, stack=r.stack)[0] for r in records]),
+            log_meas=np.log([r.measured_iter_s for r in records]),
+        )
+
+
+def _offsets(raw) -> dict:
+    return {leaf: raw[i] for i, leaf in enumerate(LEAVES)}
+
+
+def predict_log(rows: Rows, raw, temperature: float = 1e-3):
+    """log of the predicted iteration time of every row with the offsets ``raw`` (``[len
+    LEAVES]``; zeros: the shipped profiles as they are)."""
+
+    def one(m, p, c, params):
+        return simulate(m, p, c, apply_stack(params, _offsets(raw)), temperature).iteration_s
+
+    return jnp.log(jax.vmap(one)(rows.model, rows.plan, rows.cluster, rows.params))
+
+
+def _loss(raw, rows: Rows, weight, temperature):
+    resid = predict_log(rows, raw, temperature) - rows.log_meas
+    data = jnp.sum(weight * robust_penalty(resid, HUBER_DELTA, 0.0)) / NOISE_LOG**2
+    return data + 0.5 * jnp.sum((raw / PRIOR_SD) ** 2)
+
+
+def fit_offsets(rows: Rows, weight, settings: FitSettings = FitSettings(), step=None):
+    """The offsets (``[len LEAVES]`` raw) that fit the rows of positive ``weight``.
+
+    ``step``: a compiled step from ``make_step`` to reuse (the shapes of ``rows`` fixed)."""
+    step = step or make_step(settings)
+    opt = optax.adam(settings.learning_rate)
+    raw = jnp.zeros(len(LEAVES))
+    state = opt.init(raw)
+    w = jnp.asarray(weight, dtype=raw.dtype)
+    for _ in range(settings.steps):
+        raw, state = step(raw, state, rows, w)
+    return np.asarray(raw)
+
+
+def make_step(settings: FitSettings = FitSettings()):
+    """One jitted Adam step of ``_loss``."""
+    opt = optax.adam(settings.learning_rate)
+    grad = jax.grad(_loss)
+
+    @jax.jit
+    def step(raw, state, rows, weight):
+        g = grad(raw, rows, weight, settings.temperature)
+        updates, state = opt.update(g, state)
+        return optax.apply_updates(raw, updates), state
+
+    return step
+
+
+def submitter_halves(submitters: list[str], seed: int = 0) -> np.ndarray:
+    """Half (0 or 1) of every row: whole submitters, in a seeded random order, each to the
+    half with fewer rows so far (ties to half 0)."""
+    names = sorted(set(submitters))
+    order = np.random.default_rng(seed).permutation(len(names))
+    counts = {n: submitters.count(n) for n in names}
+    sizes, half = [0, 0], {}
+    for i in order:
+        name = names[i]
+        h = int(sizes[1] < sizes[0])
+        half[name] = h
+        sizes[h] += counts[name]
+    return np.array([half[s] for s in submitters])
+
+
+def heldout_log_pred(rows: Rows, halves: np.ndarray, settings: FitSettings = FitSettings()):
+    """(log predictions, offsets per half): each half's rows predicted with the offsets
+    fitted on the other half."""
+    step = make_step(settings)
+    out = np.zeros(len(halves))
+    fitted = []
+    for h in (0, 1):
+        raw = fit_offsets(rows, (halves != h).astype(float), settings, step)
+        fitted.append(raw)
+        pred = np.asarray(predict_log(rows, jnp.asarray(raw), settings.temperature))
+        out[halves == h] = pred[halves == h]
+    return out, fitted
