@@ -43,6 +43,7 @@ class ModelArrays:
     precision: jax.Array  # [n_precisions] one-hot: which peak the GEMMs run at
     dropout: jax.Array  # 1: dropout masks are kept for backward
     causal: jax.Array  # 1: causal attention (fused kernels skip the masked half)
+    head_tokens: jax.Array  # fraction of the tokens the LM head and loss run on
 
 
 @struct.dataclass
@@ -138,6 +139,7 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
         precision=_choice(specs.PRECISIONS, model.precision, f),
         dropout=f(1.0 if model.dropout else 0.0),
         causal=f(1.0 if model.causal else 0.0),
+        head_tokens=f(model.head_tokens),
     )
 
 

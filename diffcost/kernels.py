@@ -232,7 +232,7 @@ def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
     low, g = work.low_precision, work.gemms
     rate = jnp.maximum(gemm_peak_flops(model, cluster, params), 1.0)
     head_rate = low * jnp.maximum(half_peak_flops(model, cluster, params), 1.0) + (1.0 - low) * rate
-    head = (work.tokens, work.vocab_local, model.hidden)
+    head = (work.head_tokens, work.vocab_local, model.hidden)
     table, base = (params.gemm_shape_log_eff, None) if grid is None else grid
     log_effs = layer_and_head_log_effs(table, low, g.m, g.n, g.k, head, base)
     m, n, k = (jnp.append(d, h) for d, h in zip((g.m, g.n, g.k), head))
@@ -328,7 +328,7 @@ def kernel_times(
     casts = memory_bound_s(jnp.stack([work.cast_fwd_bytes, work.cast_bwd_bytes]), cluster, params)
     launches = KERNELS_PER_LAYER_FWD * params.kernel_overhead_s * passes
     lora = adapter_gemm_s(work, model, cluster, params, temperature)
-    logits = work.tokens * work.vocab_local
+    logits = work.head_tokens * work.vocab_local
     loss_bytes = jnp.asarray((LOSS_FWD_BYTES_PER_LOGIT, LOSS_BWD_BYTES_PER_LOGIT), attention.dtype)
     return KernelTimes(
         layer_s=gemm + attention + elementwise + casts + launches + lora,

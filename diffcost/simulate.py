@@ -313,7 +313,7 @@ def memory(model, plan, cluster, temperature, work=None):
 
     act_layer = jnp.sum(plan.recompute * work.activation_bytes)  # [none, selective, full]
     act_full = work.activation_bytes[0]
-    logits = LOGIT_BYTES * work.tokens * model.vocab / plan.tp
+    logits = LOGIT_BYTES * work.head_tokens * model.vocab / plan.tp
     act = layers * act_layer * _in_flight(plan, temperature) + plan.recompute[2] * act_full
     multi = multi_stage(plan.pp)
     act = act + jnp.stack([(1.0 - multi) * logits, logits])

@@ -71,6 +71,9 @@ class ModelSpec:
     # causal (decoder) self-attention: fused kernels skip the masked half of the scores; False
     # for an encoder (BERT), whose fused kernels compute the whole square
     causal: bool = True
+    # fraction of a sample's tokens the LM head and loss run on: 1 for a language model; a
+    # masked-LM head that gathers the masked positions first (BERT) runs on a fraction of them
+    head_tokens: float = 1.0
 
     @property
     def flash_attention(self) -> bool:

@@ -169,7 +169,7 @@ def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, te
         ("all_gather", work.tp_msg_bytes, groups.tp),
         ("reduce_scatter", work.tp_msg_bytes, groups.tp),
         ("all_reduce", work.tp_msg_bytes, groups.tp),
-        ("all_reduce", work.tokens * LOSS_COMM_BYTES_PER_TOKEN, groups.tp),
+        ("all_reduce", work.head_tokens * LOSS_COMM_BYTES_PER_TOKEN, groups.tp),
         ("all_gather", work.kv_msg_bytes, groups.cp),
         ("all_gather", dense * WEIGHT_BYTES, groups.dp),
         ("all_gather", experts * WEIGHT_BYTES, groups.edp),
@@ -298,7 +298,9 @@ def _head_s(kernel: kernels.KernelTimes, comms: CommTimes, work, model, plan, pa
     all-reduces, scaled by the calibrated factor of the head's shape (1 until calibration
     moves it)."""
     table = params.head_shape_log_time
-    log_f = kernels.layer_log_time(table, work.tokens, model.hidden, plan.tp, HEAD_GRID_LOG2_LO)
+    log_f = kernels.layer_log_time(
+        table, work.head_tokens, model.hidden, plan.tp, HEAD_GRID_LOG2_LO
+    )
     factor = jnp.exp(log_f)
     return factor * kernel.head_s, factor * kernel.loss_s, factor * (2.0 * comms.loss_all_reduce_s)
 

@@ -81,6 +81,7 @@ class LayerWork:
 
     tokens: jax.Array  # tokens of the microbatch on one GPU before tp splitting (b s / cp)
     sp_tokens: jax.Array  # tokens seen by norms, dropout and residuals (split by tp under SP)
+    head_tokens: jax.Array  # tokens the LM head and loss run on (``ModelSpec.head_tokens``)
     routed_tokens: jax.Array  # token-expert pairs through one GPU's MLP (dense: the tokens)
     vocab_local: jax.Array  # LM head columns on one GPU (vocab-parallel over tp)
     low_precision: jax.Array  # 1 when the layer GEMMs run in FP8/FP4 (``low_precision``)
@@ -222,6 +223,7 @@ def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
     return LayerWork(
         tokens=t,
         sp_tokens=sp_t,
+        head_tokens=t * model.head_tokens,
         routed_tokens=routed,
         vocab_local=model.vocab / plan.tp,
         low_precision=low,

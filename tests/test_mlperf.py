@@ -10,7 +10,7 @@ from helpers import GPT, PLANS, SHARED_DATA, arrays
 from calibration import mlperf
 from calibration.mlperf_fit import submitter_halves
 from calibration.records import ReaderError
-from diffcost import default_params, kernels, workload
+from diffcost import config, default_params, kernels, workload
 
 MLPERF_CSV = SHARED_DATA / "e2e" / "mlperf_training_v4.0.csv"
 needs_data = pytest.mark.skipif(not MLPERF_CSV.is_file(), reason="shared data not found")
@@ -43,6 +43,25 @@ def test_unfused_attention_is_the_same_for_causal_and_non_causal():
     _, _, t_causal = _attention(causal)
     _, _, t_enc = _attention(dataclasses.replace(causal, causal=False))
     np.testing.assert_array_equal(np.asarray(t_enc), np.asarray(t_causal))
+
+
+def test_a_masked_lm_head_runs_on_its_fraction_of_the_tokens():
+    m, p, c = arrays(GPT, PLANS["single"])
+    part = dataclasses.replace(GPT, head_tokens=0.25)
+    m4, _, _ = arrays(part, PLANS["single"])
+    params = default_params()
+    full = kernels.kernel_times(workload.layer_work(m, p), m, c, params, 1e-3)
+    quarter = kernels.kernel_times(workload.layer_work(m4, p), m4, c, params, 1e-3)
+    # the loss is memory-bound over the logits: exactly a quarter of them
+    np.testing.assert_allclose(np.asarray(quarter.loss_s), 0.25 * np.asarray(full.loss_s))
+    ratio = np.asarray(quarter.head_s) / np.asarray(full.head_s)
+    assert ((ratio > 0.24) & (ratio < 0.3)).all()  # GEMM efficiency falls a little with m
+    np.testing.assert_array_equal(np.asarray(quarter.layer_s), np.asarray(full.layer_s))
+
+
+def test_head_tokens_must_be_a_fraction():
+    with pytest.raises(config.ConfigError, match=r"model.head_tokens=1.5 is invalid.*\(0, 1\]"):
+        config.load_experiment("gpt3-175b", ["model.head_tokens=1.5"])
 
 
 # --- reader -------------------------------------------------------------------------------------
