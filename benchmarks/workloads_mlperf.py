@@ -94,7 +94,7 @@ def measure(quick: bool = False, data: Path = DATA) -> dict:
     bench = np.array([r.source_name.split("/")[-1] for r in records])
     halves = _halves(records, csv_rows, bench)
     measured = np.array([r.measured_iter_s for r in records])
-    zero = np.exp(np.asarray(fit.predict_log(rows, np.zeros(len(fit.LEAVES)))))
+    zero = np.exp(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))))
     calibrated = np.exp(_heldout(rows, bench, halves, settings))
     accel = [csv_rows[r.row - 1].accelerator for r in records]
     per_bench = _summary(bench, measured, zero, calibrated)

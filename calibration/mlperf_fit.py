@@ -5,8 +5,9 @@ graphs and fused kernels; NeMo for Llama-2 70B LoRA) on every system. What sets 
 the stacks the shipped profiles were fitted on is what a ``diffcost.stacks`` offset describes:
 kernel efficiencies, host work per op and microbatch, how much of it hides, per-iteration
 overhead. ``fit_offsets`` fits those offsets (``STACK_EFFECTS``, one raw offset each, on top
-of each row's shipped profile and stack) to the rows of one half; the other half is predicted
-with them.
+of each row's shipped profile and stack), plus one GEMM-efficiency offset per GPU family (the
+device level: the shipped profiles have none for L40S and H200), to the rows of one half; the
+other half is predicted with them.
 
 The halves (``submitter_halves``) split a benchmark's rows by submitter, so that a system's
 rows, and a submitter's other systems, are never on both sides. Each half is fitted once and
@@ -30,6 +31,7 @@ from flax import struct
 from calibration.fit import FitConfig, robust_penalty
 from calibration.records import E2ERecord
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
+from diffcost.gpus import gpu_family
 from diffcost.profiles import params_for
 from diffcost.simulate import simulate
 from diffcost.stacks import STACK_EFFECTS, apply_stack
@@ -42,6 +44,11 @@ NOISE_LOG = 0.1
 HUBER_DELTA = FitConfig.huber_delta
 LEAVES = tuple(e.leaf for e in STACK_EFFECTS)
 PRIOR_SD = np.array([e.prior_sd for e in STACK_EFFECTS])
+# Per GPU family, one more offset on the GEMM efficiency (the device level of the shipped
+# profiles): how far the benchmark's kernels on that GPU sit from the profile or datasheet, with
+# the width of the stack's GEMM offset. A family without training rows keeps offset 0.
+FAMILY_LEAF = "gemm_eff_logit"
+FAMILY_SD = next(e.prior_sd for e in STACK_EFFECTS if e.leaf == FAMILY_LEAF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +67,21 @@ class Rows:
     cluster: object
     params: object  # batched Params: device + cluster profile + stack offsets of each row
     log_meas: np.ndarray
+    family: np.ndarray  # index of each row's GPU family in ``families``
+    families: tuple = struct.field(pytree_node=False)
+
+    @property
+    def n_offsets(self) -> int:
+        """Length of the raw offset vector: ``LEAVES``, then one per GPU family."""
+        return len(LEAVES) + len(self.families)
 
     @classmethod
     def of(cls, records: list[E2ERecord]) -> Rows:
+        fams = [gpu_family(r.cluster.gpu.name) for r in records]
+        families = tuple(sorted(set(fams)))
         return cls(
+            family=np.array([families.index(f) for f in fams]),
+            families=families,
             model=stack([model_arrays(r.model) for r in records]),
             plan=stack([plan_arrays(r.plan) for r in records]),
             cluster=stack([cluster_arrays(r.cluster) for r in records]),
@@ -72,33 +90,45 @@ class Rows:
         )
 
 
-def _offsets(raw) -> dict:
-    return {leaf: raw[i] for i, leaf in enumerate(LEAVES)}
+def _offsets(raw, family) -> dict:
+    """The stack offsets of ``raw`` with the row's family offset added to ``FAMILY_LEAF``."""
+    out = {leaf: raw[i] for i, leaf in enumerate(LEAVES)}
+    out[FAMILY_LEAF] = out[FAMILY_LEAF] + raw[len(LEAVES) + family]
+    return out
 
 
 def predict_log(rows: Rows, raw, temperature: float = 1e-3):
-    """log of the predicted iteration time of every row with the offsets ``raw`` (``[len
-    LEAVES]``; zeros: the shipped profiles as they are)."""
+    """log of the predicted iteration time of every row with the offsets ``raw`` (``[n_offsets]``;
+    zeros: the shipped profiles as they are)."""
 
-    def one(m, p, c, params):
-        return simulate(m, p, c, apply_stack(params, _offsets(raw)), temperature).iteration_s
+    raw = jnp.asarray(raw)
 
-    return jnp.log(jax.vmap(one)(rows.model, rows.plan, rows.cluster, rows.params))
+    def one(m, p, c, params, family):
+        params = apply_stack(params, _offsets(raw, family))
+        return simulate(m, p, c, params, temperature).iteration_s
+
+    times = jax.vmap(one)(rows.model, rows.plan, rows.cluster, rows.params, rows.family)
+    return jnp.log(times)
+
+
+def prior_sd(rows: Rows) -> np.ndarray:
+    """Prior width of every raw offset: the stack effects', then ``FAMILY_SD`` per family."""
+    return np.concatenate([PRIOR_SD, np.full(len(rows.families), FAMILY_SD)])
 
 
 def _loss(raw, rows: Rows, weight, temperature):
     resid = predict_log(rows, raw, temperature) - rows.log_meas
     data = jnp.sum(weight * robust_penalty(resid, HUBER_DELTA, 0.0)) / NOISE_LOG**2
-    return data + 0.5 * jnp.sum((raw / PRIOR_SD) ** 2)
+    return data + 0.5 * jnp.sum((raw / prior_sd(rows)) ** 2)
 
 
 def fit_offsets(rows: Rows, weight, settings: FitSettings = FitSettings(), step=None):
-    """The offsets (``[len LEAVES]`` raw) that fit the rows of positive ``weight``.
+    """The offsets (``[rows.n_offsets]`` raw) that fit the rows of positive ``weight``.
 
     ``step``: a compiled step from ``make_step`` to reuse (the shapes of ``rows`` fixed)."""
     step = step or make_step(settings)
     opt = optax.adam(settings.learning_rate)
-    raw = jnp.zeros(len(LEAVES))
+    raw = jnp.zeros(rows.n_offsets)
     state = opt.init(raw)
     w = jnp.asarray(weight, dtype=raw.dtype)
     for _ in range(settings.steps):
