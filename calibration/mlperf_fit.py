@@ -131,8 +131,10 @@ def fit_offsets(rows: Rows, weight, settings: FitSettings = FitSettings(), step=
     raw = jnp.zeros(rows.n_offsets)
     state = opt.init(raw)
     w = jnp.asarray(weight, dtype=raw.dtype)
-    for _ in range(settings.steps):
-        raw, state = step(raw, state, rows, w)
+    # optax's step counts are integers mixed with floats: standard promotion (as calibration.fit)
+    with jax.numpy_dtype_promotion("standard"):
+        for _ in range(settings.steps):
+            raw, state = step(raw, state, rows, w)
     return np.asarray(raw)
 
 

@@ -5,12 +5,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import GPT, PLANS, SHARED_DATA, arrays
+from helpers import CLUSTER, GPT, PLANS, SHARED_DATA, arrays
 
 from calibration import mlperf
+from calibration import mlperf_fit as fit
 from calibration.mlperf_fit import submitter_halves
-from calibration.records import ReaderError
+from calibration.records import E2ERecord, ReaderError
 from diffcost import config, default_params, kernels, workload
+from diffcost.specs import PlanSpec
 
 MLPERF_CSV = SHARED_DATA / "e2e" / "mlperf_training_v4.0.csv"
 needs_data = pytest.mark.skipif(not MLPERF_CSV.is_file(), reason="shared data not found")
@@ -168,3 +170,31 @@ def test_submitter_halves_keep_each_submitter_on_one_side():
     sizes = np.bincount(halves, minlength=2)
     assert abs(sizes[0] - sizes[1]) <= 3  # the largest submitter's rows
     assert (halves == submitter_halves(subs)).all()  # seeded
+
+
+def test_the_fit_recovers_offsets_that_generated_the_times():
+    """Rows whose 'measured' times are the model's own at known offsets: the fit on half of
+    them removes at least half of the error on every row, held out or not (the priors, two
+    widths from these offsets, keep the rest with two training rows), and with no training
+    rows the offsets stay at 0."""
+    plans = [PlanSpec(dp=d, microbatch=mb, global_batch=d * mb) for d, mb in [(8, 4), (4, 16)]]
+    plans += [dataclasses.replace(p, microbatch=2 * p.microbatch) for p in plans]
+    plans = [dataclasses.replace(p, global_batch=p.dp * p.microbatch) for p in plans]
+    records = [
+        E2ERecord(GPT, p, CLUSTER, 1.0, "synthetic", i, (), None) for i, p in enumerate(plans)
+    ]
+    rows = fit.Rows.of(records)
+    truth = np.zeros(rows.n_offsets)
+    truth[fit.LEAVES.index("gemm_eff_logit")] = 1.0
+    truth[fit.LEAVES.index("host_op_log_s")] = -1.0
+    rows = rows.replace(log_meas=np.asarray(fit.predict_log(rows, truth)))
+    settings = fit.FitSettings(steps=150, learning_rate=0.05)
+    step = fit.make_step(settings)
+    train = np.array([1.0, 1.0, 0.0, 0.0])
+    raw = fit.fit_offsets(rows, train, settings, step)
+    resid = np.abs(np.asarray(fit.predict_log(rows, raw)) - np.asarray(rows.log_meas))
+    before = np.abs(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))) - rows.log_meas)
+    assert before.min() > 0.08  # the offsets matter
+    assert resid.max() < 0.5 * before.min()
+    assert resid[2:].max() < 1.5 * resid[:2].max()  # held out as good as fitted
+    np.testing.assert_array_equal(fit.fit_offsets(rows, np.zeros(4), settings, step), 0.0)
