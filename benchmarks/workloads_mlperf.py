@@ -102,7 +102,12 @@ def measure(quick: bool = False, data: Path = DATA) -> dict:
     for b in mlperf.BENCHMARKS:
         n_rows = sum(r.benchmark == b for r in csv_rows)
         got = per_bench.get(b, {"rows": 0, "mape_pct_zero_shot": None, "mape_pct_calibrated": None})
-        out[b] = {**got, "rows": n_rows, "predicted": got["rows"]}
+        out[b] = {
+            "rows": n_rows,
+            "predicted": got["rows"],
+            "mape_pct_zero_shot": got["mape_pct_zero_shot"],
+            "mape_pct_calibrated": got["mape_pct_calibrated"],
+        }
     by_line = {r.where.line: r for r in csv_rows}
     skipped = [
         {
