@@ -286,15 +286,18 @@ def layer_forward_flops(model: ModelArrays, plan: PlanArrays):
 
 
 def head_forward_flops(model: ModelArrays, plan: PlanArrays):
-    """LM head (vocab-parallel over tp) forward FLOPs on one GPU."""
-    return 2.0 * tokens(model, plan) * model.hidden * model.vocab / plan.tp
+    """LM head (vocab-parallel over tp) forward FLOPs on one GPU, over the tokens it runs on
+    (``ModelSpec.head_tokens``)."""
+    return 2.0 * tokens(model, plan) * model.hidden * model.vocab / plan.tp * model.head_tokens
 
 
 def model_flops_per_iteration(model: ModelArrays, plan: PlanArrays):
-    """Model FLOPs of one iteration over all GPUs: 3x forward (no recompute), full attention."""
+    """Model FLOPs of one iteration over all GPUs: 3x forward (no recompute), full attention;
+    2x forward under LoRA (frozen weights have no weight gradients; the adapters' FLOPs, under
+    1% at rank 16, are left out)."""
     full = plan.replace(tp=1.0, cp=1.0, microbatch=1.0, sp=0.0)
     per_sample = model.n_layers * layer_forward_flops(model, full) + head_forward_flops(model, full)
-    return 3.0 * per_sample * plan.global_batch
+    return (2.0 + (1.0 - plan.lora)) * per_sample * plan.global_batch
 
 
 # --- parameters -------------------------------------------------------------------------------

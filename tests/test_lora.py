@@ -114,3 +114,12 @@ def test_lora_plan_fields_are_validated():
         config.load_experiment("gpt3-175b", ["plan.lora_modules=qkv"])
     plan = config.load_experiment("gpt3-175b", ["plan.lora_rank=8"]).plan
     assert plan.lora_rank == 8 and plan.lora_modules == "attention"
+
+
+def test_lora_model_flops_drop_the_weight_gradients():
+    m, full, _ = arrays(LLAMA, FULL)
+    _, lora, _ = arrays(LLAMA, LORA)
+    ratio = workload.model_flops_per_iteration(m, lora) / workload.model_flops_per_iteration(
+        m, full
+    )
+    assert float(ratio) == pytest.approx(2.0 / 3.0, rel=REL)
