@@ -4,7 +4,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import pytest
-from helpers import LLAMA, arrays
+from helpers import CLUSTER, LLAMA, arrays
 
 from diffcost import config, default_params, kernels, workload
 from diffcost.simulate import OPTIMIZER_STATE_BYTES, simulate, stage_times
@@ -123,3 +123,18 @@ def test_lora_model_flops_drop_the_weight_gradients():
         m, full
     )
     assert float(ratio) == pytest.approx(2.0 / 3.0, rel=REL)
+
+
+def test_a_plan_space_keeps_the_lora_setting_fixed():
+    from diffcost import space
+
+    sp = space.make_space(LLAMA, CLUSTER, 8, 16, lora_rank=RANK, lora_modules="mlp")
+    plans, choices = space.enumerate_plans(sp)
+    n = len(choices)
+    assert n > 1 and plans.lora.shape == (n,) and (plans.lora == 1.0).all()
+    assert (plans.lora_rank == RANK).all() and plans.lora_targets.shape == (n, 4)
+    assert (plans.lora_targets == [0.0, 0.0, 1.0, 1.0]).all()
+    spec = sp.plan_spec(choices[0])
+    assert (spec.lora_rank, spec.lora_modules) == (RANK, "mlp")
+    plain = space.enumerate_plans(space.make_space(LLAMA, CLUSTER, 8, 16))[0]
+    assert (plain.lora == 0.0).all() and (plain.lora_targets == 0.0).all()
