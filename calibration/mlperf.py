@@ -11,18 +11,18 @@ Two steps (column meanings in ``shared/data/README.md`` section 1b):
 
 What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecord.defaults``):
 
-* **BERT** (``bert``): NVIDIA's PyTorch implementation, which every v4.0 submitter ran (its
-  ``config_DGXH100_*.sh``): pure data parallelism, fp16 with loss scaling (16-bit gradient
-  all-reduce), fused attention, microbatch ``global_batch / (n_gpus *
-  gradient_accumulation_steps)``. The phase-2 samples are up to 512 tokens long, but the
-  implementation removes the padding (``--unpad --unpad_fmha``): Krell et al., "Efficient
-  sequence packing without cross-contamination" (2021), find that padding is over 50% of the
-  tokens of this Wikipedia data at length 512, so a sample is taken as ``UNPADDED_SEQ_LEN`` =
-  256 tokens. The masked-LM head runs on the masked tokens only (``--dense_seq_output``):
-  ``MASKED_FRACTION`` = 15% of them (BERT's masking rate; MLPerf's data generator masks 15%,
-  at most 76 of 512), ``ModelSpec.head_tokens``.
-* **Llama-2 70B LoRA** (``llama2_70b_lora``): NVIDIA's NeMo implementation (every v4.0
-  submitter's logs give NeMo's gradient accumulation), conf/megatron_gpt_peft_tuning_config.yaml:
+* **BERT** (``bert``): NVIDIA's PyTorch implementation (every BERT row's framework cell names
+  NVIDIA's PyTorch containers or just PyTorch; its ``config_DGXH100_*.sh``): pure data
+  parallelism, fp16 with loss scaling (16-bit gradient all-reduce), fused attention, microbatch
+  ``global_batch / (n_gpus * gradient_accumulation_steps)``. The phase-2 samples are up to 512
+  tokens long, but the implementation removes the padding (``--unpad --unpad_fmha``): Krell et
+  al., "Efficient sequence packing without cross-contamination" (2021), find that padding is
+  over 50% of the tokens of this Wikipedia data at length 512, so a sample is taken as
+  ``UNPADDED_SEQ_LEN`` = 256 tokens. The masked-LM head runs on the masked tokens only
+  (``--dense_seq_output``): ``MASKED_FRACTION`` = 15% of them (BERT's masking rate; MLPerf's
+  data generator masks 15%, at most 76 of 512), ``ModelSpec.head_tokens``.
+* **Llama-2 70B LoRA** (``llama2_70b_lora``): NVIDIA's NeMo implementation (every row's
+  gradient accumulation fits NeMo's configs), conf/megatron_gpt_peft_tuning_config.yaml:
   LoRA rank 16 on the attention projections, FP8 layers, sequence parallel, sequence 8,192,
   microbatch 1, pipeline 1, no recompute. Its ``global_batch = MINIBS * dp`` gives the model
   parallel size ``tp * cp = n_gpus * gradient_accumulation_steps / global_batch``; its configs
