@@ -42,6 +42,8 @@ class ModelArrays:
     flash2: jax.Array  # 1: FlashAttention-2
     precision: jax.Array  # [n_precisions] one-hot: which peak the GEMMs run at
     dropout: jax.Array  # 1: dropout masks are kept for backward
+    causal: jax.Array  # 1: causal attention (fused kernels skip the masked half)
+    head_tokens: jax.Array  # fraction of the tokens the LM head and loss run on
 
 
 @struct.dataclass
@@ -80,6 +82,9 @@ class PlanArrays:
     recompute: jax.Array  # [3] probabilities of none / selective / full
     schedule: jax.Array  # [3] probabilities of gpipe / 1f1b / interleaved
     order: jax.Array  # [4] rank of (tp, cp, dp, pp) from innermost (0) outwards
+    lora: jax.Array  # [0, 1]: 1 when the base weights are frozen (LoRA fine-tuning)
+    lora_rank: jax.Array  # adapter rank (0 without LoRA)
+    lora_targets: jax.Array  # [4] 1 where QKV, attention output, FC1, FC2 carry adapters
 
     @property
     def n_microbatches(self):
@@ -133,6 +138,8 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
         flash2=f(1.0 if model.attention == "flash" else 0.0),
         precision=_choice(specs.PRECISIONS, model.precision, f),
         dropout=f(1.0 if model.dropout else 0.0),
+        causal=f(1.0 if model.causal else 0.0),
+        head_tokens=f(model.head_tokens),
     )
 
 
@@ -171,7 +178,23 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
         recompute=_choice(specs.RECOMPUTE_MODES, plan.recompute, f),
         schedule=_choice(specs.SCHEDULES, plan.schedule, f),
         order=f(order),
+        **lora_leaves(plan.lora_rank, plan.lora_modules, f),
     )
+
+
+def lora_leaves(rank: int | None, modules: str, f=None, n: int | None = None) -> dict:
+    """The ``lora``, ``lora_rank`` and ``lora_targets`` leaves of a plan (``n`` copies each
+    along a leading axis when given)."""
+    f = _as_float(None) if f is None else f
+    on = rank is not None
+    leaves = {
+        "lora": f(1.0 if on else 0.0),
+        "lora_rank": f(float(rank) if on else 0.0),
+        "lora_targets": f(specs.LORA_MODULES[modules] if on else (0.0,) * 4),
+    }
+    if n is None:
+        return leaves
+    return {k: np.broadcast_to(v, (n, *np.shape(v))).copy() for k, v in leaves.items()}
 
 
 def stack(trees):

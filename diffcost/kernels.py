@@ -232,7 +232,7 @@ def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
     low, g = work.low_precision, work.gemms
     rate = jnp.maximum(gemm_peak_flops(model, cluster, params), 1.0)
     head_rate = low * jnp.maximum(half_peak_flops(model, cluster, params), 1.0) + (1.0 - low) * rate
-    head = (work.tokens, work.vocab_local, model.hidden)
+    head = (work.head_tokens, work.vocab_local, model.hidden)
     table, base = (params.gemm_shape_log_eff, None) if grid is None else grid
     log_effs = layer_and_head_log_effs(table, low, g.m, g.n, g.k, head, base)
     m, n, k = (jnp.append(d, h) for d, h in zip((g.m, g.n, g.k), head))
@@ -247,8 +247,29 @@ def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
         temperature,
         jnp.stack(log_effs),
     )
+    # frozen base weights (LoRA) have no weight gradients
+    wgrad = wgrad * (1.0 - work.lora)
     layer = jnp.stack([jnp.sum(fwd[:-1]), jnp.sum(dgrad[:-1] + wgrad[:-1])])
     return layer, jnp.stack([fwd[-1], dgrad[-1] + wgrad[-1]])
+
+
+def adapter_gemm_s(work: LayerWork, model, cluster, params, temperature):
+    """LoRA adapters' GEMMs of one layer ([2]: forward; backward, dgrad and wgrad): 16-bit,
+    at the 16-bit large-GEMM rate, without a shape-grid factor (rank-r GEMMs are bound by
+    reading their inputs); 0 without LoRA (every adapter GEMM then has size zero)."""
+    g = work.adapter_gemms
+    rate = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
+    fwd, dgrad, wgrad = gemm_s(
+        jnp.stack([g.m, g.m, g.k]),
+        jnp.stack([g.n, g.k, g.n]),
+        jnp.stack([g.k, g.n, g.m]),
+        rate,
+        cluster,
+        params,
+        temperature,
+        jnp.zeros((3, *g.m.shape), rate.dtype),
+    )
+    return jnp.stack([jnp.sum(fwd), jnp.sum(dgrad + wgrad)])
 
 
 def fused_attention_s(flops, n_bytes, rate, eff, cluster, params, temperature):
@@ -263,10 +284,11 @@ def fused_attention_s(flops, n_bytes, rate, eff, cluster, params, temperature):
 
 def _attention_times(work: LayerWork, model, cluster, params, temperature):
     """Attention core forward and backward [2]: a roofline of its FLOPs (half of them with a
-    fused causal kernel) and its HBM traffic; unfused, the score passes add up in series. The
-    fused kernel's efficiency depends on its shape (``LayerWork.attention_shape``)."""
-    flash = model.flash
-    causal = flash * CAUSAL_FRACTION_FLASH + (1.0 - flash)
+    fused causal kernel, all of them for non-causal attention) and its HBM traffic; unfused,
+    the score passes add up in series. The fused kernel's efficiency depends on its shape
+    (``LayerWork.attention_shape``)."""
+    flash, mask = model.flash, model.causal
+    causal = flash * (mask * CAUSAL_FRACTION_FLASH + (1.0 - mask)) + (1.0 - flash)
     rate16 = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
     eff = params.attention_eff(model.flash2, work.attention_shape)
     attn_rate = rate16 * (flash * eff + (1.0 - flash))
@@ -305,10 +327,11 @@ def kernel_times(
     elementwise = memory_bound_s(work.elementwise_bytes, cluster, params) * passes
     casts = memory_bound_s(jnp.stack([work.cast_fwd_bytes, work.cast_bwd_bytes]), cluster, params)
     launches = KERNELS_PER_LAYER_FWD * params.kernel_overhead_s * passes
-    logits = work.tokens * work.vocab_local
+    lora = adapter_gemm_s(work, model, cluster, params, temperature)
+    logits = work.head_tokens * work.vocab_local
     loss_bytes = jnp.asarray((LOSS_FWD_BYTES_PER_LOGIT, LOSS_BWD_BYTES_PER_LOGIT), attention.dtype)
     return KernelTimes(
-        layer_s=gemm + attention + elementwise + casts + launches,
+        layer_s=gemm + attention + elementwise + casts + launches + lora,
         attention_s=attention,
         head_s=head,
         loss_s=memory_bound_s(loss_bytes * logits, cluster, params),

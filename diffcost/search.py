@@ -40,7 +40,7 @@ import numpy as np
 from flax import struct
 
 from diffcost import constraints, descent, smooth
-from diffcost.arrays import PlanArrays, cluster_arrays, model_arrays
+from diffcost.arrays import PlanArrays, cluster_arrays, lora_leaves, model_arrays
 from diffcost.cache import fast_compile_jit
 from diffcost.config import check_plan
 from diffcost.params import Params
@@ -83,6 +83,7 @@ class Bounds:
     overlap_tp: jax.Array
     grad_reduce_fp32: jax.Array
     order_ranks: jax.Array  # [n_orders, 4]
+    lora: dict  # the plan's fixed LoRA leaves (``arrays.lora_leaves``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,7 @@ def bounds_for(space: Space, dtype=None) -> Bounds:
         overlap_tp=f(float(space.overlap_tp)),
         grad_reduce_fp32=f(float(space.grad_reduce_fp32)),
         order_ranks=f(ranks),
+        lora=lora_leaves(space.lora_rank, space.lora_modules, f),
     )
 
 
@@ -205,6 +207,7 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
         recompute=jax.nn.softmax(r.recompute / tau),
         schedule=jax.nn.softmax(r.schedule / tau),
         order=jax.nn.softmax(r.order / tau) @ b.order_ranks,
+        **b.lora,
     )
 
 

@@ -228,6 +228,18 @@ def _in_flight(plan: PlanArrays, temperature):
     return jnp.stack([first, last])
 
 
+def _stage_params(model, plan, dense_p, expert_p, emb):
+    """(dense, expert) parameters of the first and last stage ([2] each) from one layer's
+    dense and expert parameters and the embedding's, all on one GPU. The last stage holds the
+    LM head: its own matrix, or Megatron's copy of a tied embedding."""
+    layers = model.n_layers / plan.pp
+    multi = multi_stage(plan.pp)
+    head_last = multi * emb
+    head_first = (1.0 - multi) * (1.0 - model.tied) * emb
+    dense_stage = layers * dense_p + jnp.stack([emb + head_first, head_last])
+    return dense_stage, layers * expert_p * jnp.ones(2)
+
+
 def memory(model, plan, cluster, temperature, work=None):
     """Memory per stage kind (first, last): weights, grads, optimizer, activations, buffers.
 
@@ -235,7 +247,8 @@ def memory(model, plan, cluster, temperature, work=None):
 
     * weights: 16-bit parameters, 2 B each; the last stage holds the LM head (its own matrix, or
       the copy Megatron keeps of a tied embedding);
-    * grads: the main-gradient buffer, 4 B (fp32) or 2 B per parameter (``grad_bytes``);
+    * grads: the main-gradient buffer, 4 B (fp32) or 2 B per parameter (``grad_bytes``), of
+      the trained parameters (under LoRA the adapters only; so for the optimizer state);
     * optimizer: fp32 master weights and Adam's moments, 12 B per parameter (Rajbhandari et al.,
       "ZeRO", SC'20, sec. 3.1). Megatron-Core's distributed optimizer (ZeRO stage 1) shards
       this part over ``dp`` and neither of the others (its documented 6 + 12/d bytes per
@@ -269,35 +282,42 @@ def memory(model, plan, cluster, temperature, work=None):
     """
     work = workload.layer_work(model, plan) if work is None else work
     layers = model.n_layers / plan.pp
-    dense_p, expert_p, emb = work.dense_params, work.expert_params, work.embedding_params
-    multi = multi_stage(plan.pp)
-    # The last stage holds the LM head: its own matrix, or Megatron's copy of a tied embedding.
-    head_last = multi * emb
-    head_first = (1.0 - multi) * (1.0 - model.tied) * emb
-    dense_stage = layers * dense_p + jnp.stack([emb + head_first, head_last])
-    expert_stage = layers * expert_p * jnp.ones(2)
+    dense_p, expert_p = work.dense_params, work.expert_params
+    # LoRA adapters are weights too (``trained_params`` are the adapters when ``lora`` = 1)
+    held = _stage_params(
+        model, plan, dense_p + work.lora * work.trained_params, expert_p, work.embedding_params
+    )
+    trained = _stage_params(
+        model,
+        plan,
+        work.trained_params,
+        work.trained_expert_params,
+        work.trained_embedding_params,
+    )
     z = plan.zero
     # the data-parallel ranks of every cp rank hold replicas: ZeRO shards over dp * cp
     dp_cp, edp_cp = plan.dp * plan.cp, plan.dp / plan.ep * plan.cp
 
-    def sharded(stage_from):  # divide by dp * cp from ZeRO stage `stage_from` on
+    def sharded(stage_from, stage):  # divide by dp * cp from ZeRO stage `stage_from` on
         on = jnp.sum(z[stage_from:])
-        dense = dense_stage / (1.0 + on * (dp_cp - 1.0))
-        return dense + expert_stage / (1.0 + on * (edp_cp - 1.0))
+        dense = stage[0] / (1.0 + on * (dp_cp - 1.0))
+        return dense + stage[1] / (1.0 + on * (edp_cp - 1.0))
 
-    weights = WEIGHT_BYTES * sharded(3)
+    weights = WEIGHT_BYTES * sharded(3, held)
     grad_b = grad_bytes(plan)
-    grads = grad_b * sharded(2)
-    opt = OPTIMIZER_STATE_BYTES * sharded(1)
+    # gradients and optimizer state of the trained parameters only
+    grads = grad_b * sharded(2, trained)
+    opt = OPTIMIZER_STATE_BYTES * sharded(1, trained)
     # ZeRO-3 holds two gathered layers (current + prefetched)
     weights = weights + z[3] * 2.0 * WEIGHT_BYTES * (dense_p + expert_p)
 
     act_layer = jnp.sum(plan.recompute * work.activation_bytes)  # [none, selective, full]
     act_full = work.activation_bytes[0]
-    logits = LOGIT_BYTES * work.tokens * model.vocab / plan.tp
+    logits = LOGIT_BYTES * work.head_tokens * model.vocab / plan.tp
     act = layers * act_layer * _in_flight(plan, temperature) + plan.recompute[2] * act_full
+    multi = multi_stage(plan.pp)
     act = act + jnp.stack([(1.0 - multi) * logits, logits])
-    buckets = smooth.smin2(grad_b * layers * dense_p, DP_BUCKET_BYTES, temperature)
+    buckets = smooth.smin2(grad_b * layers * work.trained_params, DP_BUCKET_BYTES, temperature)
     buffers = 4.0 * work.p2p_msg_bytes + 2.0 * buckets
     buffers = buffers * jnp.ones(2) + RUNTIME_RESERVE_BYTES
     return weights, grads, opt, act, buffers

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from diffcost import constraints
-from diffcost.arrays import PlanArrays
+from diffcost.arrays import PlanArrays, lora_leaves
 from diffcost.config import ConfigError
 from diffcost.constraints import divisors, join
 from diffcost.specs import (
@@ -99,6 +99,8 @@ class Space:
     overlap_dp: bool = True
     overlap_tp: bool = False
     grad_reduce_fp32: bool = True
+    lora_rank: int | None = None  # LoRA fine-tuning (``PlanSpec.lora_rank``), fixed for all
+    lora_modules: str = "attention"
 
     # --- the rules -----------------------------------------------------------------------
     @functools.cached_property
@@ -236,6 +238,8 @@ class Space:
             overlap_tp=self.overlap_tp,
             grad_reduce_fp32=self.grad_reduce_fp32,
             order=self.orders[c.order],
+            lora_rank=self.lora_rank,
+            lora_modules=self.lora_modules,
         )
 
     def to_arrays(self, choices: list[Choice]) -> PlanArrays:
@@ -271,6 +275,7 @@ class Space:
             recompute=one_hot("recompute", RECOMPUTE_MODES),
             schedule=one_hot("schedule", SCHEDULES),
             order=ranks[index("order", range(len(self.orders)))],
+            **lora_leaves(self.lora_rank, self.lora_modules, lambda v: np.asarray(v, float), n),
         )
 
 

@@ -203,6 +203,8 @@ def _model_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> M
         return _build_moe(value, where, path)
 
     model = _build(ModelSpec, tree, where, prefix, {"moe": moe})
+    if model.head_tokens > 1.0:
+        raise invalid(where, f"{prefix}head_tokens", model.head_tokens, "a fraction in (0, 1]")
     if model.heads % model.kv_heads:
         raise ConfigError(
             f"{where}: {prefix}heads={model.heads} is not divisible by "

@@ -19,6 +19,10 @@ Norm = Literal["layernorm", "rmsnorm"]
 # FlashAttention-2 (flash-attn, PyTorch SDPA); "cudnn" is cuDNN fused attention (Transformer
 # Engine, Megatron-Core's default), the Hopper-tuned kind that FlashAttention-3 also belongs to.
 Attention = Literal["unfused", "flash", "cudnn"]
+# Linear layers of every transformer layer that carry LoRA adapters: "attention" the QKV and
+# output projections (NeMo's ``target_modules: [attention]``), "mlp" FC1 and FC2, "all" both.
+LoraModules = Literal["attention", "mlp", "all"]
+LORA_MODULES = {"attention": (1, 1, 0, 0), "mlp": (0, 0, 1, 1), "all": (1, 1, 1, 1)}
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -64,6 +68,12 @@ class ModelSpec:
     # hidden and attention dropout on: Megatron keeps their masks for backward (memory only);
     # Llama-family recipes train with both at 0
     dropout: bool = True
+    # causal (decoder) self-attention: fused kernels skip the masked half of the scores; False
+    # for an encoder (BERT), whose fused kernels compute the whole square
+    causal: bool = True
+    # fraction of a sample's tokens the LM head and loss run on: 1 for a language model; a
+    # masked-LM head that gathers the masked positions first (BERT) runs on a fraction of them
+    head_tokens: float = 1.0
 
     @property
     def flash_attention(self) -> bool:
@@ -128,6 +138,11 @@ class PlanSpec:
     # False: in 16 bits (DeepSpeed and Megatron fp16). ZeRO-3 always reduces 16-bit ones.
     grad_reduce_fp32: bool = True
     order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+    # LoRA fine-tuning (Hu et al. 2021): None trains every weight; a rank freezes the base
+    # weights (no weight gradients, gradient buffers, optimizer state or gradient sync for
+    # them) and trains rank-r adapters on ``lora_modules`` of every layer
+    lora_rank: int | None = None
+    lora_modules: LoraModules = "attention"
 
     @property
     def n_gpus(self) -> int:

@@ -159,25 +159,28 @@ def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, te
     Returns:
         A ``CommTimes``.
     """
-    dense, experts, embedding = work.dense_params, work.expert_params, work.embedding_params
+    dense, experts = work.dense_params, work.expert_params
+    # gradients and updated parameters exist only for trained weights (all but under LoRA)
+    g_dense, g_experts = work.trained_params, work.trained_expert_params
+    embedding = work.trained_embedding_params
     grads = grad_bytes(plan)
-    stage_params = model.n_layers / plan.pp * (dense + experts)
+    stage_params = model.n_layers / plan.pp * (g_dense + g_experts)
     requests = [
         ("all_gather", work.tp_msg_bytes, groups.tp),
         ("reduce_scatter", work.tp_msg_bytes, groups.tp),
         ("all_reduce", work.tp_msg_bytes, groups.tp),
-        ("all_reduce", work.tokens * LOSS_COMM_BYTES_PER_TOKEN, groups.tp),
+        ("all_reduce", work.head_tokens * LOSS_COMM_BYTES_PER_TOKEN, groups.tp),
         ("all_gather", work.kv_msg_bytes, groups.cp),
         ("all_gather", dense * WEIGHT_BYTES, groups.dp),
         ("all_gather", experts * WEIGHT_BYTES, groups.edp),
-        ("reduce_scatter", dense * FSDP_GRAD_BYTES, groups.dp),
-        ("reduce_scatter", experts * FSDP_GRAD_BYTES, groups.edp),
+        ("reduce_scatter", g_dense * FSDP_GRAD_BYTES, groups.dp),
+        ("reduce_scatter", g_experts * FSDP_GRAD_BYTES, groups.edp),
         ("all_gather", stage_params * WEIGHT_BYTES, groups.dp),
     ]
     for name in ("all_reduce", "reduce_scatter"):  # gradient sync
         requests += [
-            (name, dense * grads, groups.dp),
-            (name, experts * grads, groups.edp),
+            (name, g_dense * grads, groups.dp),
+            (name, g_experts * grads, groups.edp),
             (name, embedding * grads, groups.dp),
         ]
     t = comm.collectives_s(requests, params, temperature)
@@ -295,7 +298,9 @@ def _head_s(kernel: kernels.KernelTimes, comms: CommTimes, work, model, plan, pa
     all-reduces, scaled by the calibrated factor of the head's shape (1 until calibration
     moves it)."""
     table = params.head_shape_log_time
-    log_f = kernels.layer_log_time(table, work.tokens, model.hidden, plan.tp, HEAD_GRID_LOG2_LO)
+    log_f = kernels.layer_log_time(
+        table, work.head_tokens, model.hidden, plan.tp, HEAD_GRID_LOG2_LO
+    )
     factor = jnp.exp(log_f)
     return factor * kernel.head_s, factor * kernel.loss_s, factor * (2.0 * comms.loss_all_reduce_s)
 
@@ -316,7 +321,8 @@ def stage_s(layer_parts, kernel, comms: CommTimes, work, model, plan, cluster, p
         (forward [3], backward [3], parts [3, 5]) seconds per stage kind (first, middle, last).
     """
     layers = model.n_layers / plan.pp
-    emb_bytes = 2.0 * work.tokens * model.hidden * jnp.stack([ACT_BYTES, grad_bytes(plan)])
+    emb_grad = grad_bytes(plan) * (1.0 - work.lora)  # a frozen embedding has no gradient
+    emb_bytes = 2.0 * work.tokens * model.hidden * jnp.stack([ACT_BYTES, emb_grad])
     emb_fwd, emb_bwd = kernels.memory_bound_s(emb_bytes, cluster, params)
     (head_fwd, head_bwd), (loss_fwd, loss_bwd), loss_comm = _head_s(
         kernel, comms, work, model, plan, params
@@ -355,13 +361,15 @@ def dp_sync_s(comms: CommTimes, plan: PlanArrays):
 
 def optimizer_step_s(work: LayerWork, model, plan, cluster, params: Params):
     """Optimizer step of the first stage (it holds the most parameters): memory-bound over the
-    local optimizer shard (ZeRO >= 1 shards it over dp, experts over the expert replicas)."""
+    local optimizer shard of the trained parameters (ZeRO >= 1 shards it over dp, experts over
+    the expert replicas)."""
     shard = 1.0 - plan.zero[0]
     dense_shards = 1.0 + shard * (plan.dp - 1.0)
     expert_shards = 1.0 + shard * (plan.dp / plan.ep - 1.0)
     layers = model.n_layers / plan.pp
-    local_params = layers * (work.dense_params / dense_shards + work.expert_params / expert_shards)
-    local_params = local_params + work.embedding_params / dense_shards
+    dense, experts = work.trained_params, work.trained_expert_params
+    local_params = layers * (dense / dense_shards + experts / expert_shards)
+    local_params = local_params + work.trained_embedding_params / dense_shards
     return kernels.memory_bound_s(local_params * params.optimizer_bytes_per_param, cluster, params)
 
 

@@ -81,6 +81,7 @@ class LayerWork:
 
     tokens: jax.Array  # tokens of the microbatch on one GPU before tp splitting (b s / cp)
     sp_tokens: jax.Array  # tokens seen by norms, dropout and residuals (split by tp under SP)
+    head_tokens: jax.Array  # tokens the LM head and loss run on (``ModelSpec.head_tokens``)
     routed_tokens: jax.Array  # token-expert pairs through one GPU's MLP (dense: the tokens)
     vocab_local: jax.Array  # LM head columns on one GPU (vocab-parallel over tp)
     low_precision: jax.Array  # 1 when the layer GEMMs run in FP8/FP4 (``low_precision``)
@@ -99,6 +100,12 @@ class LayerWork:
     kv_msg_bytes: jax.Array  # K and V of every cp rank's tokens, gathered over cp
     ep_msg_bytes: jax.Array  # one expert all-to-all: routed tokens x hidden, 16-bit
     p2p_msg_bytes: jax.Array  # one activation send between pipeline stages
+    # LoRA fine-tuning (``lora_work``): 0 and the plain counts without it
+    lora: jax.Array  # 1 when the base weights are frozen: their weight-gradient GEMMs are skipped
+    adapter_gemms: Gemms  # [8] adapters' down (x A) and up (x B) GEMMs, zero-size off target
+    trained_params: jax.Array  # dense parameters of one layer with gradients, on one GPU
+    trained_expert_params: jax.Array  # expert parameters with gradients, on one GPU
+    trained_embedding_params: jax.Array  # embedding (or untied head) parameters with gradients
 
     @property
     def forward_flops(self):
@@ -212,9 +219,11 @@ def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
     gemms = _gemms(model, plan, t, routed)
     cast_fwd, cast_bwd = _cast_bytes(low, gemms)
     dense, experts = layer_params_local(model, plan)
+    embedding = model.vocab * model.hidden / plan.tp
     return LayerWork(
         tokens=t,
         sp_tokens=sp_t,
+        head_tokens=t * model.head_tokens,
         routed_tokens=routed,
         vocab_local=model.vocab / plan.tp,
         low_precision=low,
@@ -232,13 +241,41 @@ def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
         cast_bwd_bytes=cast_bwd,
         dense_params=dense,
         expert_params=experts,
-        embedding_params=model.vocab * model.hidden / plan.tp,
+        embedding_params=embedding,
         activation_bytes=_activation_bytes(model, plan, t, sp_t, routed),
         tp_msg_bytes=t * model.hidden * ACT_BYTES,
         kv_msg_bytes=2.0 * t * plan.cp * model.kv_heads * head_dim(model) / plan.tp * ACT_BYTES,
         ep_msg_bytes=routed * model.hidden * ACT_BYTES,
         p2p_msg_bytes=sp_t * model.hidden * ACT_BYTES,
+        **lora_work(plan, gemms, dense, experts, embedding),
     )
+
+
+def lora_work(plan: PlanArrays, gemms: Gemms, dense, experts, embedding) -> dict:
+    """The ``LayerWork`` fields of LoRA fine-tuning (Hu et al., "LoRA", ICLR 2022).
+
+    Each targeted GEMM ``(m x k) @ (k x n)`` (QKV, attention output, FC1, FC2; local shapes
+    under tp) gains an adapter ``x A B`` with ``A`` of ``k x r`` and ``B`` of ``r x n``: two
+    GEMMs ``(m, r, k)`` and ``(m, n, r)`` and ``r (k + n)`` trained parameters on the GPU. The
+    base weights, norms, embedding and head are frozen: no gradients or optimizer state. Off
+    (``plan.lora`` = 0) the trained counts are the parameter counts themselves.
+    """
+    on, r, mask = plan.lora, plan.lora_rank, plan.lora_targets
+    m, n, k = gemms.m[:4] * mask, gemms.n[:4], gemms.k[:4]
+    rank = r * mask
+    adapters = Gemms(
+        m=jnp.concatenate([m, m]),
+        n=jnp.concatenate([rank, n * mask]),
+        k=jnp.concatenate([k * mask, rank]),
+    )
+    adapter_params = jnp.sum(rank * (k + n))
+    return {
+        "lora": on,
+        "adapter_gemms": adapters,
+        "trained_params": dense * (1.0 - on) + adapter_params * on,
+        "trained_expert_params": experts * (1.0 - on),
+        "trained_embedding_params": embedding * (1.0 - on),
+    }
 
 
 def layer_forward_flops(model: ModelArrays, plan: PlanArrays):
@@ -249,15 +286,18 @@ def layer_forward_flops(model: ModelArrays, plan: PlanArrays):
 
 
 def head_forward_flops(model: ModelArrays, plan: PlanArrays):
-    """LM head (vocab-parallel over tp) forward FLOPs on one GPU."""
-    return 2.0 * tokens(model, plan) * model.hidden * model.vocab / plan.tp
+    """LM head (vocab-parallel over tp) forward FLOPs on one GPU, over the tokens it runs on
+    (``ModelSpec.head_tokens``)."""
+    return 2.0 * tokens(model, plan) * model.hidden * model.vocab / plan.tp * model.head_tokens
 
 
 def model_flops_per_iteration(model: ModelArrays, plan: PlanArrays):
-    """Model FLOPs of one iteration over all GPUs: 3x forward (no recompute), full attention."""
+    """Model FLOPs of one iteration over all GPUs: 3x forward (no recompute), full attention;
+    2x forward under LoRA (frozen weights have no weight gradients; the adapters' FLOPs, under
+    1% at rank 16, are left out)."""
     full = plan.replace(tp=1.0, cp=1.0, microbatch=1.0, sp=0.0)
     per_sample = model.n_layers * layer_forward_flops(model, full) + head_forward_flops(model, full)
-    return 3.0 * per_sample * plan.global_batch
+    return (2.0 + (1.0 - plan.lora)) * per_sample * plan.global_batch
 
 
 # --- parameters -------------------------------------------------------------------------------

@@ -347,8 +347,8 @@ def test_unknown_preset_lists_and_suggests():
         ),
     ):
         load_model("llama3-7b")
-    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-h200'.*did you mean"):
-        load_cluster("dgx-h200")
+    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-h300'.*did you mean"):
+        load_cluster("dgx-h300")
 
 
 def test_missing_file():

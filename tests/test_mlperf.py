@@ -1,0 +1,200 @@
+"""MLPerf Training v4.0 rows: the reader, the rows as training runs, non-causal attention."""
+
+import csv
+import dataclasses
+
+import numpy as np
+import pytest
+from helpers import CLUSTER, GPT, PLANS, SHARED_DATA, arrays
+
+from calibration import mlperf
+from calibration import mlperf_fit as fit
+from calibration.mlperf_fit import submitter_halves
+from calibration.records import E2ERecord, ReaderError
+from diffcost import config, default_params, kernels, workload
+from diffcost.specs import PlanSpec
+
+MLPERF_CSV = SHARED_DATA / "e2e" / "mlperf_training_v4.0.csv"
+needs_data = pytest.mark.skipif(not MLPERF_CSV.is_file(), reason="shared data not found")
+
+
+# --- non-causal attention ---------------------------------------------------------------------
+
+
+def _attention(model, plan_name="single"):
+    m, p, c = arrays(model, PLANS[plan_name])
+    work = workload.layer_work(m, p)
+    return m, p, kernels.kernel_times(work, m, c, default_params(), 1e-3).attention_s
+
+
+def test_non_causal_fused_attention_computes_the_whole_square():
+    # long sequences keep the fused kernel compute-bound: the time follows the FLOPs executed
+    causal = dataclasses.replace(GPT, seq_len=16384)
+    encoder = dataclasses.replace(causal, causal=False)
+    m, p, t_causal = _attention(causal)
+    m_enc, _, t_enc = _attention(encoder)
+    np.testing.assert_allclose(np.asarray(t_enc) / np.asarray(t_causal), 2.0, rtol=1e-3)
+    # model FLOPs count the whole square either way (Narayanan et al.'s convention)
+    assert float(workload.model_flops_per_iteration(m_enc, p)) == float(
+        workload.model_flops_per_iteration(m, p)
+    )
+
+
+def test_unfused_attention_is_the_same_for_causal_and_non_causal():
+    causal = dataclasses.replace(GPT, attention="unfused")
+    _, _, t_causal = _attention(causal)
+    _, _, t_enc = _attention(dataclasses.replace(causal, causal=False))
+    np.testing.assert_array_equal(np.asarray(t_enc), np.asarray(t_causal))
+
+
+def test_a_masked_lm_head_runs_on_its_fraction_of_the_tokens():
+    m, p, c = arrays(GPT, PLANS["single"])
+    part = dataclasses.replace(GPT, head_tokens=0.25)
+    m4, _, _ = arrays(part, PLANS["single"])
+    params = default_params()
+    full = kernels.kernel_times(workload.layer_work(m, p), m, c, params, 1e-3)
+    quarter = kernels.kernel_times(workload.layer_work(m4, p), m4, c, params, 1e-3)
+    # the loss is memory-bound over the logits: exactly a quarter of them
+    np.testing.assert_allclose(np.asarray(quarter.loss_s), 0.25 * np.asarray(full.loss_s))
+    ratio = np.asarray(quarter.head_s) / np.asarray(full.head_s)
+    assert ((ratio > 0.24) & (ratio < 0.3)).all()  # GEMM efficiency falls a little with m
+    np.testing.assert_array_equal(np.asarray(quarter.layer_s), np.asarray(full.layer_s))
+
+
+def test_head_tokens_must_be_a_fraction():
+    with pytest.raises(config.ConfigError, match=r"model.head_tokens=1.5 is invalid.*\(0, 1\]"):
+        config.load_experiment("gpt3-175b", ["model.head_tokens=1.5"])
+
+
+# --- reader -------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_reads_every_row_and_represents_bert_and_llama_lora():
+    rows, meas = mlperf.load(MLPERF_CSV)
+    assert len(rows) == 141
+    benchmarks = [r.source_name.split("/")[-1] for r in meas.e2e]
+    assert benchmarks.count("bert") == sum(r.benchmark == "bert" for r in rows)
+    assert benchmarks.count("llama2_70b_lora") == sum(
+        r.benchmark == "llama2_70b_lora" for r in rows
+    )
+    assert len(meas.e2e) + len(meas.skipped) == len(rows)
+    for _, why in meas.skipped:
+        bench = why.split(":")[0]
+        assert bench in mlperf.NOT_REPRESENTED and why.endswith(mlperf.NOT_REPRESENTED[bench])
+    for r in meas.e2e:
+        assert r.plan.n_gpus == rows[r.row - 1].n_gpus
+        assert r.measured_iter_s == rows[r.row - 1].iter_s
+
+
+@needs_data
+def test_rows_become_the_implementations_plans():
+    rows, meas = mlperf.load(MLPERF_CSV)
+    by_system = {(rows[r.row - 1].system, r.source_name.split("/")[-1]): r for r in meas.e2e}
+    bert = by_system[("eos_n8_ngc23.04_pytorch", "bert")]
+    assert (bert.plan.dp, bert.plan.microbatch, bert.plan.global_batch) == (64, 72, 4608)
+    assert not bert.model.causal and bert.model.seq_len == mlperf.UNPADDED_SEQ_LEN
+    lora = by_system[("eos_n8_ngc24.04_nemo", "llama2_70b_lora")]
+    assert (lora.plan.tp, lora.plan.cp, lora.plan.dp) == (4, 2, 8)
+    assert lora.plan.lora_rank == 16 and lora.model.seq_len == 8192
+    assert lora.model.precision == "fp8" and lora.stack == "megatron-core"
+    # the H200 row's tp cell contradicts its accumulation (2 steps of 8 samples: dp 4)
+    h200 = by_system[("h200_ngc24.04_nemo", "llama2_70b_lora")]
+    assert (h200.plan.tp, h200.plan.dp) == (2, 4)
+    assert any("contradict" in d for d in h200.defaults)
+    assert lora.cluster.name == "dgx-h100" and h200.cluster.name == "dgx-h200"
+
+
+def _write(tmp_path, edit):
+    """A copy of the first 5 rows of the MLPerf CSV with ``edit(header, rows)`` applied."""
+    with open(MLPERF_CSV, newline="", encoding="utf-8") as fh:
+        data = list(csv.reader(fh))
+    header, rows = data[0], data[1:6]
+    edit(header, rows)
+    path = tmp_path / "mlperf.csv"
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([header, *rows])
+    return path
+
+
+def _set(col, value, row=2):
+    def edit(header, rows):
+        rows[row][header.index(col)] = value
+
+    return edit
+
+
+@needs_data
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (_set("samples_per_s", "fast"), r"mlperf.csv:4: column 'samples_per_s': not a number"),
+        (_set("benchmark", "gpt3"), r":4: column 'benchmark': 'gpt3' is not one of resnet, bert"),
+        (_set("iter_s_median", "0.5"), r":4: column 'iter_s_median': 0.5 is not global_batch"),
+        (_set("n_accelerators", "16"), r":4: column 'n_accelerators': 16 is not n_nodes"),
+        (_set("notes", "10 runs"), r":4: column 'notes': '10 runs' has no 'gradient_accum"),
+        (_set("global_batch_size", ""), r":4: column 'global_batch_size' is blank"),
+        (_set("tp", "0"), r":4: column 'tp': 0 is not a positive integer"),
+    ],
+)
+def test_reader_errors_name_the_file_line_column_and_value(tmp_path, edit, message):
+    with pytest.raises(ReaderError, match=message):
+        mlperf.read_mlperf_csv(_write(tmp_path, edit))
+
+
+@needs_data
+def test_reader_names_missing_columns(tmp_path):
+    def drop(header, rows):
+        i = header.index("samples_per_s")
+        for cells in [header, *rows]:
+            del cells[i]
+
+    with pytest.raises(ReaderError, match=r"mlperf.csv:1: missing required .*samples_per_s"):
+        mlperf.read_mlperf_csv(_write(tmp_path, drop))
+
+
+@needs_data
+def test_unknown_accelerators_are_not_represented(tmp_path):
+    path = _write(tmp_path, _set("accelerator", "NVIDIA B200", row=0))
+    row = mlperf.read_mlperf_csv(path)[0]
+    assert row.benchmark == "bert"
+    with pytest.raises(mlperf.NotRepresented, match="no cluster preset for accelerator"):
+        mlperf.to_record(row)
+
+
+def test_submitter_halves_keep_each_submitter_on_one_side():
+    subs = ["a", "a", "b", "c", "c", "c", "d", "e", "e", "f"]
+    halves = submitter_halves(subs)
+    for s in set(subs):
+        assert len({h for x, h in zip(subs, halves) if x == s}) == 1
+    sizes = np.bincount(halves, minlength=2)
+    assert abs(sizes[0] - sizes[1]) <= 3  # the largest submitter's rows
+    assert (halves == submitter_halves(subs)).all()  # seeded
+
+
+def test_the_fit_recovers_offsets_that_generated_the_times():
+    """Rows whose 'measured' times are the model's own at known offsets: the fit on half of
+    them removes at least half of the error on every row, held out or not (the priors, two
+    widths from these offsets, keep the rest with two training rows), and with no training
+    rows the offsets stay at 0."""
+    plans = [PlanSpec(dp=d, microbatch=mb, global_batch=d * mb) for d, mb in [(8, 4), (4, 16)]]
+    plans += [dataclasses.replace(p, microbatch=2 * p.microbatch) for p in plans]
+    plans = [dataclasses.replace(p, global_batch=p.dp * p.microbatch) for p in plans]
+    records = [
+        E2ERecord(GPT, p, CLUSTER, 1.0, "synthetic", i, (), None) for i, p in enumerate(plans)
+    ]
+    rows = fit.Rows.of(records)
+    truth = np.zeros(rows.n_offsets)
+    truth[fit.LEAVES.index("gemm_eff_logit")] = 1.0
+    truth[fit.LEAVES.index("host_op_log_s")] = -1.0
+    rows = rows.replace(log_meas=np.asarray(fit.predict_log(rows, truth)))
+    settings = fit.FitSettings(steps=150, learning_rate=0.05)
+    step = fit.make_step(settings)
+    train = np.array([1.0, 1.0, 0.0, 0.0])
+    raw = fit.fit_offsets(rows, train, settings, step)
+    resid = np.abs(np.asarray(fit.predict_log(rows, raw)) - np.asarray(rows.log_meas))
+    before = np.abs(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))) - rows.log_meas)
+    assert before.min() > 0.08  # the offsets matter
+    assert resid.max() < 0.5 * before.min()
+    assert resid[2:].max() < 1.5 * resid[:2].max()  # held out as good as fitted
+    np.testing.assert_array_equal(fit.fit_offsets(rows, np.zeros(4), settings, step), 0.0)
