@@ -37,7 +37,7 @@ from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import fast_compile_jit
 from diffcost.config import load_cluster
-from diffcost.gpus import FAMILY_CLUSTER, FAMILY_PARENT, cluster_family, gpu_family
+from diffcost.gpus import FAMILY_CLUSTER, cluster_family, gpu_family, relative_rows
 from diffcost.params import CONSTANTS, GEMM_GRID_CLASSES, Params, default_params
 from diffcost.profiles import (
     CLUSTER_FIELDS,
@@ -383,24 +383,14 @@ def redescend_at(cfg: FitConfig, step: int) -> float:
 
 
 def family_parents(families, start=None, enabled=True) -> tuple[np.ndarray, np.ndarray]:
-    """(row of each family's ``FAMILY_PARENT`` in ``families`` or its own row, whether it has
-    one there). Without ``start``, a family with its parent in the fit has its device prior
-    centred on the parent's fitted constants (held fixed in that term) rather than on the
-    datasheet defaults: the Adam steps move a constant no data inform toward the relative's
-    (the prior is weak, but Adam's steps do not scale with the gradient). A fit that starts
-    from profiles (``diffcost calibrate``) keeps its prior on them, and so does every family
-    when not ``enabled`` (``FitConfig.family_parents``)."""
-    rows = np.arange(len(families))
-    if start or not enabled:
-        return rows, np.zeros(len(families), dtype=bool)
-    parent = np.array([families.index(FAMILY_PARENT[f]) if FAMILY_PARENT.get(f) in families
-                       else i for i, f in enumerate(families)])  # fmt: skip
-    return parent, parent != rows
-
-
-def _rows(mask, leaf):
-    """``mask`` over a table's rows, shaped to broadcast against ``leaf``."""
-    return jnp.asarray(mask).reshape((-1,) + (1,) * (jnp.ndim(leaf) - 1))
+    """(``gpus.relative_rows`` of ``families``, whether each has a relative there). The device
+    prior of a family with one is centred on the relative's fitted constants (held fixed in
+    that term) rather than on the datasheet defaults: Adam's steps do not scale with the
+    gradient, so the weak prior moves a constant no data inform to the relative's. Not for a
+    fit that starts from profiles (``diffcost calibrate``: its prior stays on them), nor when
+    not ``enabled`` (``FitConfig.family_parents``)."""
+    rows = np.arange(len(families)) if start or not enabled else relative_rows(families)
+    return rows, rows != np.arange(len(families))
 
 
 def make_loss(
@@ -441,9 +431,9 @@ def make_loss(
             total = total + level_w[level] * share * jnp.sum(
                 w * robust_penalty(resid, cfg.huber_delta, redescend)
             ) / jnp.sum(w)
-        centre = {k: jnp.where(
-            _rows(has_parent, v), jax.lax.stop_gradient(dev[k][parent]), v
-        ) for k, v in dev0.items()}  # fmt: skip
+        centre = {k: jnp.where(has_parent.reshape((-1,) + (1,) * (v.ndim - 1)),
+                               jax.lax.stop_gradient(dev[k][parent]), v)
+                  for k, v in dev0.items()}  # fmt: skip
         prior = sum(
             jnp.sum(jnp.square((tab[k] - tab0[k]) / PRIOR_SD_LEAF[k]))
             for tab, tab0 in ((dev, centre), (clu, clu0))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from diffcost import config
 
 _GPU_RE = re.compile(r"(?<![a-z0-9])(gb\d{3}|gh\d{3}|mi\d{3}|[abhlvt]\d{2,3})", re.IGNORECASE)
@@ -71,6 +73,12 @@ def family_peak_flops(family: str, precision: str) -> float | None:
         _PEAKS[family] = config.load_cluster(FAMILY_CLUSTER[family]).gpu.peak_tflops
     tflops = _PEAKS[family].get(precision)
     return tflops * 1e12 if tflops else None
+
+
+def relative_rows(families: list[str]):
+    """Per family of ``families``: the index of its ``FAMILY_PARENT`` there, else its own."""
+    return np.array([families.index(FAMILY_PARENT[f]) if FAMILY_PARENT.get(f) in families
+                     else i for i, f in enumerate(families)], dtype=int)  # fmt: skip
 
 
 def cluster_family(cluster: str) -> str:
