@@ -21,7 +21,8 @@ usually from a cluster, a framework or a scale no measurement covers.
    refit the constants, warm-started from that source's zero-shot fit, and the source's other
    runs are predicted; per k the mean and the worst draw's MAPE. ``--few-shot own`` (the
    default) is ``diffcost calibrate``'s path: the end-to-end level holds the k runs alone (the
-   kernel and collective tables stay), fitted with calibrate's settings. ``--few-shot joint``
+   kernel and collective tables stay), fitted with calibrate's settings for
+   ``FEW_SHOT_STEPS`` steps. ``--few-shot joint``
    adds the k runs to the zero-shot training runs as one more source and continues the whole
    fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR`` (``Transfer.refit``).
 
@@ -95,10 +96,11 @@ class Transfer:
             steps=30 if args.quick else FEW_SHOT_STEPS, learning_rate=FEW_SHOT_LR, **knobs
         )
         self.few_shot = args.few_shot
-        # ``diffcost calibrate``'s settings: its default steps, the stack's effect in the
-        # cluster's own constants (the offsets the zero-shot fit found stay as they are)
+        # ``diffcost calibrate``'s settings (its learning rate, the stack's effect in the
+        # cluster's own constants: the offsets the zero-shot fit found stay as they are) for
+        # ``FEW_SHOT_STEPS`` steps from the warm start (``calibrate --steps``)
         self.own_cfg = F.FitConfig(
-            steps=60 if args.quick else F.FitConfig().steps, **{**knobs, "stacks": False}
+            steps=30 if args.quick else FEW_SHOT_STEPS, **{**knobs, "stacks": False}
         )
         self.refit_cfg = self.own_cfg if self.few_shot == "own" else self.few_cfg
         self.meas = load_data(Path(args.data))
