@@ -15,8 +15,10 @@ next bottleneck is the link with the largest *congestion* ``y_l = w_l / rem_l``.
 saturates at least one link and freezes at least one flow, so ``min(flows, links)`` rounds are
 exact. This module runs that many rounds with three smooth surrogates (``diffcost.smooth``):
 
-* the largest congestion is ``smooth_max`` (never below the exact maximum, so the level never
-  overshoots a link's capacity and the remaining capacities stay non-negative);
+* the largest congestion is ``softmax_mean``, a smooth maximum that is exact where the top
+  values tie (the links of a symmetric collective do) and otherwise slightly below the maximum,
+  so the level can overshoot a nearly tied link's saturation by a fraction of the softness; the
+  remaining capacity is clipped at zero (``clip_exact``: a guard against that and rounding);
 * a link *saturates* by a sigmoid gate: fully when its congestion is within ``GATE_SLACK *
   temperature`` of the maximum, not at all below; a flow freezes by the product of its links'
   gates. A link that saturated only in part keeps its congestion (its remaining capacity and
@@ -24,19 +26,19 @@ exact. This module runs that many rounds with three smooth surrogates (``diffcos
   load stays at its capacity; one that saturated fully keeps an unfrozen remainder of
   ``exp(-GATE_SLACK)`` or less, which the floor ``CAPACITY_FLOOR * capacity`` under its
   remaining capacity turns into a negligible congestion;
-* a flow freezes at ``smin2(level, alone)``, its level capped by the rate it would get alone
-  (the exact filling never exceeds it), so the tiny unfrozen remainders a sigmoid leaves cannot
-  pick up a level that diverges once every flow is frozen.
+* a flow freezes at ``smin2(level, ceiling)``, the level capped by the fastest flow's alone
+  rate (the exact filling never exceeds it), so the tiny unfrozen remainders a sigmoid leaves
+  cannot pick up a level that diverges once every flow is frozen.
 
 **Completion times** of flows that start together follow in phases: rates for the flows still
-running, the next finish ``dt = 1 / smooth_max(rate / remaining bytes)``, every flow advanced by
+running, the next finish ``dt = 1 / softmax_mean(rate / remaining bytes)``, every flow advanced by
 ``rate * dt``, and the flows whose finish falls within the gate's slack of ``dt`` marked done by
 the same sigmoid gate (flows that finish together, as the steps of a ring collective do, leave
 in one phase). At least one flow finishes per phase, so ``flows`` phases are exact. A flow's
 completion is the sum of the phase lengths while it ran, plus its path latency
 (``incidence @ latency_s``: the expected latency over its ECMP paths; latency delays the
 flow's end and does not hold bandwidth). The makespan of a group (a collective is a group of
-flows) is the smooth maximum of its flows' completions.
+flows) is the ``softmax_mean`` of its flows' completions (exact when they tie).
 
 Error: a flow whose bottleneck is within the gate's slack (``GATE_SLACK * temperature``,
 0.3% at the default) of the current bottleneck freezes at the current level, and a flow that
@@ -129,19 +131,21 @@ def max_min_rates(
     weight = jnp.ones((n_flows,), incidence.dtype) if weight is None else weight
     eff = incidence * weight[:, None]
     crosses = (incidence > 0).astype(incidence.dtype)
-    alone = alone_rate_Bps(incidence, capacity_Bps)
+    # no flow rises above the fastest flow's alone rate
+    ceiling = smooth.smooth_max(alone_rate_Bps(incidence, capacity_Bps), temperature=temperature)
 
     def fill(carry, _):
         active, frozen_Bps, level = carry
-        unfrozen = eff.T @ active  # (links,) weight still rising
-        rem = smooth.smax2(capacity_Bps - eff.T @ frozen_Bps, 0.0, temperature)
+        unfrozen = jnp.sum(eff * active[:, None], axis=0)  # (links,) weight still rising
+        # rounding can leave a saturated link a capacity slightly below zero: clip it to zero
+        used = jnp.sum(eff * frozen_Bps[:, None], axis=0)
+        rem = smooth.clip_exact(capacity_Bps - used, 0.0, capacity_Bps)
         congestion = unfrozen / (rem + CAPACITY_FLOOR * capacity_Bps)
-        top = smooth.smooth_max(congestion, temperature=temperature)
+        top = smooth.softmax_mean(congestion, temperature=temperature)
         level = smooth.safe_div(1.0, top)
         log_open = _gate_log_open(congestion, top, temperature)  # (links,) log(1 - saturated)
-        still = active * jnp.exp(crosses @ log_open)
-        capped = smooth.smin2(level, alone, CAP_TEMPERATURE)
-        frozen_Bps = frozen_Bps + (active - still) * capped
+        still = active * jnp.exp(jnp.sum(crosses * log_open[None, :], axis=1))
+        frozen_Bps = frozen_Bps + (active - still) * smooth.smin2(level, ceiling, CAP_TEMPERATURE)
         return (still, frozen_Bps, level), None
 
     init = (
@@ -150,7 +154,7 @@ def max_min_rates(
         jnp.zeros((), incidence.dtype),
     )
     (active, frozen_Bps, level), _ = jax.lax.scan(fill, init, None, length=rounds)
-    return frozen_Bps + active * smooth.smin2(level, alone, CAP_TEMPERATURE)
+    return frozen_Bps + active * smooth.smin2(level, ceiling, CAP_TEMPERATURE)
 
 
 def completion_times_s(
@@ -190,18 +194,19 @@ def completion_times_s(
     dtype = incidence.dtype
     live = (flow_bytes > 0) & (jnp.sum(incidence, axis=1) > 0)
     size = jnp.where(live, flow_bytes, 1.0)
-    # every running flow gets at least the first water level, so all finish by this horizon
+    # every running flow gets at least the first water level, so all finish by half this
+    # horizon; it caps the phases that come after the last finish
     first_level = smooth.safe_div(
         1.0, smooth.smooth_max(jnp.sum(incidence, axis=0) / capacity_Bps, temperature=temperature)
     )
-    horizon = smooth.safe_div(smooth.smooth_max(size, temperature=temperature), first_level)
+    horizon = 2.0 * smooth.safe_div(smooth.smooth_max(size, temperature=temperature), first_level)
 
     def phase(carry, _):
         running, sent, elapsed = carry
         rates = max_min_rates(incidence, capacity_Bps, running, rounds, temperature)
         left = size * smooth.smax2(1.0 - sent, 0.0, temperature)
         finish = smooth.safe_div(running * rates, left + (1.0 - running) * DONE_FLOOR * size)
-        top = smooth.smooth_max(finish, temperature=temperature)
+        top = smooth.softmax_mean(finish, temperature=temperature)
         dt = smooth.smin2(smooth.safe_div(1.0, top), horizon, temperature)
         elapsed = elapsed + running * dt
         sent = sent + rates * dt / size
@@ -230,7 +235,7 @@ def group_makespan_s(
         (n_groups,) seconds; 0 for a group without flows.
     """
     member = group[None, :] == jnp.arange(n_groups)[:, None]
-    return smooth.smooth_max(
+    return smooth.softmax_mean(
         jnp.where(member, completion_s[None, :], 0.0), axis=-1, temperature=temperature
     )
 

@@ -8,7 +8,9 @@ connected graph and random flows routed on shortest paths with ECMP splits;
 flows share a slow NIC, two collectives crossing one uplink, incast, ECMP over two spines).
 ``pad`` brings cases to one shape so that they can be stacked and vmapped.
 
-Plain numpy; the graphs here are small and built for testing, not the cluster topologies.
+``smooth_batch`` runs ``diffcost.sharing`` over a list of cases at once and
+``relative_errors`` compares one case with ``diffcost.sharing_reference``. The graphs here are
+small and built for testing, not the cluster topologies.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from diffcost import sharing, sharing_reference
 
 GBps = 1e9
 
@@ -117,7 +123,8 @@ def random_case(rng: np.random.Generator, name: str = "random") -> SharingCase:
 
 def _star(n_hosts: int, up_GBps, down_GBps, latency_s: float = 2e-6):
     """Hosts on one switch: link ``h`` is host h's uplink, ``n + h`` its downlink."""
-    capacity = np.concatenate([np.broadcast_to(up_GBps, n_hosts), np.broadcast_to(down_GBps, n_hosts)])
+    up, down = np.broadcast_to(up_GBps, n_hosts), np.broadcast_to(down_GBps, n_hosts)
+    capacity = np.concatenate([up, down])
     return capacity * GBps, np.full(2 * n_hosts, latency_s)
 
 
@@ -242,3 +249,53 @@ def stack(cases: list[SharingCase]) -> dict[str, np.ndarray]:
     padded = [pad(c, n_flows, n_links) for c in cases]
     fields = ("incidence", "capacity_Bps", "latency_s", "flow_bytes", "group")
     return {name: np.stack([getattr(c, name) for c in padded]) for name in fields}
+
+
+def smooth_batch(cases: list[SharingCase], dtype=None, temperature: float | None = None):
+    """``diffcost.sharing`` on every case at once: pad, stack, ``jit(vmap)``.
+
+    Args:
+        cases: the cases.
+        dtype: float dtype of the inputs (the default float dtype if None).
+        temperature: ``diffcost.sharing.DEFAULT_TEMPERATURE`` if None.
+
+    Returns:
+        ``(fn, args, unpad)``: ``fn(*args)`` gives (completion_s, makespan_s) stacked over the
+        padded cases; ``unpad(result)`` splits it into per-case numpy arrays
+        ``[(completion_s (flows,), makespan_s (groups,)), ...]``.
+    """
+    temperature = sharing.DEFAULT_TEMPERATURE if temperature is None else temperature
+    n_groups = max(c.n_groups for c in cases)
+    arrays = stack(cases)
+    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    args = tuple(
+        jnp.asarray(arrays[k], dtype=dtype)
+        for k in ("incidence", "capacity_Bps", "latency_s", "flow_bytes")
+    ) + (jnp.asarray(arrays["group"]),)
+
+    def one(incidence, capacity_Bps, latency_s, flow_bytes, group):
+        done = sharing.completion_times_s(
+            incidence, capacity_Bps, latency_s, flow_bytes, temperature=temperature
+        )
+        return done, sharing.group_makespan_s(done, group, n_groups, temperature)
+
+    def unpad(result):
+        done, span = (np.asarray(x, dtype=float) for x in result)
+        return [
+            (done[i, : c.incidence.shape[0]], span[i, : c.n_groups]) for i, c in enumerate(cases)
+        ]
+
+    return jax.jit(jax.vmap(one)), args, unpad
+
+
+def relative_errors(case: SharingCase, completion_s, makespan_s) -> np.ndarray:
+    """|smooth / exact - 1| of every flow's completion and every non-empty group's makespan,
+    the exact values from ``diffcost.sharing_reference``."""
+    exact = sharing_reference.completion_times_s(
+        case.incidence, case.capacity_Bps, case.latency_s, case.flow_bytes
+    )
+    span = sharing_reference.group_makespan_s(exact, case.group, case.n_groups)
+    has = span > 0
+    got_span = np.asarray(makespan_s, dtype=float)
+    flows = np.abs(np.asarray(completion_s, dtype=float) - exact) / np.where(exact > 0, exact, 1.0)
+    return np.concatenate([flows, np.abs(got_span[has] - span[has]) / span[has]])

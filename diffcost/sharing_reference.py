@@ -38,12 +38,11 @@ def max_min_rates(incidence, capacity_Bps, running=None) -> np.ndarray:
         (flows,) bytes/s; 0 for a flow that does not run or crosses no link.
 
     Raises:
-        ValueError: shapes disagree, or a capacity is not positive, or a fraction is outside
-            [0, 1].
+        ValueError: malformed inputs (``check_flows``).
     """
     a = np.asarray(incidence, dtype=float)
     cap = np.asarray(capacity_Bps, dtype=float)
-    _check(a, cap)
+    check_flows(a, cap)
     running = np.ones(a.shape[0], bool) if running is None else np.asarray(running, bool)
     crosses = a > 0
     unfrozen = running & crosses.any(axis=1)
@@ -75,15 +74,12 @@ def completion_times_s(incidence, capacity_Bps, latency_s, flow_bytes) -> np.nda
         (flows,) seconds from the common start.
 
     Raises:
-        ValueError: as ``max_min_rates``, or a negative size or latency.
+        ValueError: malformed inputs (``check_flows``).
     """
     a = np.asarray(incidence, dtype=float)
     size = np.asarray(flow_bytes, dtype=float)
     lat = np.asarray(latency_s, dtype=float)
-    if size.shape != (a.shape[0],) or (size < 0).any():
-        raise ValueError(f"flow_bytes: need {a.shape[0]} sizes >= 0, got {size!r}")
-    if lat.shape != (a.shape[1],) or (lat < 0).any():
-        raise ValueError(f"latency_s: need {a.shape[1]} latencies >= 0, got {lat!r}")
+    check_flows(a, capacity_Bps, lat, size)
     left = size.copy()
     running = (size > 0) & (a > 0).any(axis=1)
     finish = np.zeros(a.shape[0])
@@ -110,12 +106,39 @@ def group_makespan_s(completion_s, group, n_groups: int) -> np.ndarray:
     return out
 
 
-def _check(a: np.ndarray, cap: np.ndarray) -> None:
-    if a.ndim != 2 or cap.shape != (a.shape[1],):
-        raise ValueError(
-            f"incidence (flows, links) {a.shape} and capacity_Bps (links,) {cap.shape} disagree"
-        )
+def check_flows(incidence, capacity_Bps, latency_s=None, flow_bytes=None) -> None:
+    """Raise a ``ValueError`` naming the field and the value when the inputs of a sharing
+    computation are malformed: shapes that disagree, a capacity that is not positive, a
+    fraction outside [0, 1], a negative latency or size, or a value that is not finite.
+
+    Args:
+        incidence: (flows, links). capacity_Bps: (links,). latency_s: (links,) or None.
+        flow_bytes: (flows,) or None.
+    """
+    a = np.asarray(incidence, dtype=float)
+    cap = np.asarray(capacity_Bps, dtype=float)
+    if a.ndim != 2:
+        raise ValueError(f"incidence: need a (flows, links) array, got shape {a.shape}")
+    named = {"incidence": a, "capacity_Bps": cap}
+    n_flows, n_links = a.shape
+    shapes = {"capacity_Bps": (n_links,), "latency_s": (n_links,), "flow_bytes": (n_flows,)}
+    for name, x in (("latency_s", latency_s), ("flow_bytes", flow_bytes)):
+        if x is not None:
+            named[name] = np.asarray(x, dtype=float)
+    for name, x in named.items():
+        if name != "incidence" and x.shape != shapes[name]:
+            raise ValueError(
+                f"{name}: need shape {shapes[name]} for incidence of shape {a.shape}, got {x.shape}"
+            )
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name}: every value must be finite, got {x[~np.isfinite(x)][0]}")
     if not (cap > 0).all():
-        raise ValueError(f"capacity_Bps: every link needs a capacity > 0, got {cap.min()}")
+        bad = int(np.argmin(cap))
+        raise ValueError(f"capacity_Bps: link {bad} has capacity {cap[bad]}; need > 0")
     if (a < 0).any() or (a > 1).any():
-        raise ValueError("incidence: fractions must lie in [0, 1]")
+        f, k = np.argwhere((a < 0) | (a > 1))[0]
+        raise ValueError(f"incidence: flow {f}, link {k} has fraction {a[f, k]}; need [0, 1]")
+    for name in ("latency_s", "flow_bytes"):
+        if name in named and (named[name] < 0).any():
+            bad = int(np.argmin(named[name]))
+            raise ValueError(f"{name}: entry {bad} is {named[name][bad]}; need >= 0")
