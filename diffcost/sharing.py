@@ -111,8 +111,9 @@ def max_min_rates(
         incidence: (flows, links) fraction of each flow's bytes that crosses each directed
             link (ones along a single path; ECMP splits give fractions).
         capacity_Bps: (links,) capacity of each link, bytes/s, > 0.
-        weight: (flows,) in [0, 1], how much of each flow competes (1: running, 0: absent or
-            finished); ones if None.
+        weight: (flows,) >= 0, how many copies of each flow compete: 1 for a running flow,
+            0 for an absent or finished one, ``k`` for ``k`` identical flows on the same links
+            (each gets the returned rate); ones if None.
         rounds: water-filling rounds (static); ``min(flows, links)``, which is exact, if None.
         temperature: relative softness of the maxima and gates (``DEFAULT_TEMPERATURE``).
 
@@ -162,6 +163,7 @@ def completion_times_s(
     capacity_Bps: jax.Array,
     latency_s: jax.Array,
     flow_bytes: jax.Array,
+    multiplicity: jax.Array | None = None,
     phases: int | None = None,
     rounds: int | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
@@ -175,6 +177,8 @@ def completion_times_s(
             (weighted by the fraction crossing it).
         flow_bytes: (flows,) bytes, >= 0. A flow of 0 bytes, or one that crosses no link,
             takes no time beyond its path latency (padding: give it 0 bytes and a zero row).
+        multiplicity: (flows,) >= 1, how many identical flows (same links, same size) each row
+            stands for, so that a symmetric set is one row per class; ones if None.
         phases: phases of the fluid schedule (static); ``flows``, which is exact, if None.
         rounds: water-filling rounds per phase (static); ``min(flows, links)`` if None.
         temperature: relative softness (``DEFAULT_TEMPERATURE``).
@@ -194,16 +198,17 @@ def completion_times_s(
     dtype = incidence.dtype
     live = (flow_bytes > 0) & (jnp.sum(incidence, axis=1) > 0)
     size = jnp.where(live, flow_bytes, 1.0)
+    copies = jnp.ones((n_flows,), dtype) if multiplicity is None else multiplicity
     # every running flow gets at least the first water level, so all finish by half this
     # horizon; it caps the phases that come after the last finish
     first_level = smooth.safe_div(
-        1.0, smooth.smooth_max(jnp.sum(incidence, axis=0) / capacity_Bps, temperature=temperature)
+        1.0, smooth.smooth_max(copies @ incidence / capacity_Bps, temperature=temperature)
     )
     horizon = 2.0 * smooth.safe_div(smooth.smooth_max(size, temperature=temperature), first_level)
 
     def phase(carry, _):
         running, sent, elapsed = carry
-        rates = max_min_rates(incidence, capacity_Bps, running, rounds, temperature)
+        rates = max_min_rates(incidence, capacity_Bps, running * copies, rounds, temperature)
         left = size * smooth.smax2(1.0 - sent, 0.0, temperature)
         finish = smooth.safe_div(running * rates, left + (1.0 - running) * DONE_FLOOR * size)
         top = smooth.softmax_mean(finish, temperature=temperature)

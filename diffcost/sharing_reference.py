@@ -61,7 +61,9 @@ def max_min_rates(incidence, capacity_Bps, running=None) -> np.ndarray:
     return rates
 
 
-def completion_times_s(incidence, capacity_Bps, latency_s, flow_bytes) -> np.ndarray:
+def completion_times_s(
+    incidence, capacity_Bps, latency_s, flow_bytes, multiplicity=None
+) -> np.ndarray:
     """Exact completion times of flows that start together and share links max-min fairly.
 
     Args:
@@ -69,6 +71,8 @@ def completion_times_s(incidence, capacity_Bps, latency_s, flow_bytes) -> np.nda
         capacity_Bps: (links,) bytes/s, > 0.
         latency_s: (links,) seconds, >= 0.
         flow_bytes: (flows,) bytes, >= 0.
+        multiplicity: (flows,) int >= 1, identical flows each row stands for; they are
+            simulated as separate flows. Ones if None.
 
     Returns:
         (flows,) seconds from the common start.
@@ -80,6 +84,13 @@ def completion_times_s(incidence, capacity_Bps, latency_s, flow_bytes) -> np.nda
     size = np.asarray(flow_bytes, dtype=float)
     lat = np.asarray(latency_s, dtype=float)
     check_flows(a, capacity_Bps, lat, size)
+    if multiplicity is not None:
+        copies = np.asarray(multiplicity)
+        if copies.shape != size.shape or (copies < 1).any() or (copies != np.round(copies)).any():
+            raise ValueError(f"multiplicity: need {size.shape} whole numbers >= 1, got {copies}")
+        rows = np.repeat(np.arange(len(size)), copies.astype(int))
+        done = completion_times_s(a[rows], capacity_Bps, lat, size[rows])
+        return done[np.searchsorted(rows, np.arange(len(size)))]
     left = size.copy()
     running = (size > 0) & (a > 0).any(axis=1)
     finish = np.zeros(a.shape[0])

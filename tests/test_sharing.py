@@ -166,3 +166,18 @@ def test_the_reference_names_bad_inputs():
         sharing_reference.completion_times_s([[1.0]], [1.0], [0.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="latency_s: entry 0 is -1.0"):
         sharing_reference.completion_times_s([[1.0]], [1.0], [-1.0], [1.0])
+
+
+def test_multiplicity_stands_for_identical_flows():
+    # 3 copies of flow 0 and 2 of flow 1 against one flow 2, written once per class
+    incidence = np.array([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    capacity, latency = np.array([40e9, 30e9, 50e9]), np.full(3, 1e-6)
+    sizes, copies = np.array([1e9, 2e9, 3e9]), np.array([3, 2, 1])
+    rows = np.repeat(np.arange(3), copies)
+    expanded = sharing_reference.completion_times_s(incidence[rows], capacity, latency, sizes[rows])
+    exact = sharing_reference.completion_times_s(incidence, capacity, latency, sizes, copies)
+    np.testing.assert_allclose(exact, expanded[[0, 3, 5]])
+    got = sharing.completion_times_s(
+        *_j(incidence, capacity, latency, sizes), multiplicity=jnp.asarray(copies, dtype=float)
+    )
+    np.testing.assert_allclose(got, exact, rtol=TARGET / 10)
