@@ -12,7 +12,9 @@ Each figure is one section, computed by its own function in ``SECTIONS``; the JS
   makespan; ``mean_err_pct``: the mean over cases of each case's mean error; the same in float32
   (``max_err_pct_float32``); ``us_per_case``: warm time of ``jit(vmap)`` over the whole padded
   corpus (every case padded to the largest shape) per case, and ``single_case_us``: warm time
-  of one jitted case (the largest), unbatched. Float64 unless stated. Target: max error <= 1%.
+  of one jitted case (the largest), unbatched; ``us_per_case_by_flows``: the same per case for
+  random sets of 4, 8, 16 and 24 flows (``--quick``: 4, 8) in float32 and float64. Float64
+  unless stated. Target: max error <= 1%.
 
 Writes the JSON to ``--out`` (not with ``--quick``). Exits non-zero when a target is missed.
 """
@@ -53,6 +55,26 @@ def _errors(cases, dtype) -> list[np.ndarray]:
     return [sharing_cases.relative_errors(c, *r) for c, r in zip(cases, per_case)]
 
 
+def _speed_by_size(flows: int, dtype, batch: int = 128) -> float:
+    """Warm us per case of ``jit(vmap(completion_times_s))`` over ``batch`` random flow sets
+    of ``flows`` flows on ``2 * flows`` links (each flow on link 0 and each other link with
+    probability 0.3)."""
+    rng = np.random.default_rng(flows)
+    links = 2 * flows
+    incidence = (rng.random((batch, flows, links)) < 0.3).astype(float)
+    incidence[:, :, 0] = 1.0
+    arrays = (
+        incidence,
+        rng.uniform(1e10, 4e11, (batch, links)),
+        np.full((batch, links), 1e-6),
+        rng.uniform(1e6, 1e9, (batch, flows)),
+    )
+    args = [jnp.asarray(x, dtype=dtype) for x in arrays]
+    fn = jax.jit(jax.vmap(sharing.completion_times_s))
+    jax.block_until_ready(fn(*args))
+    return 1e6 * _median_s(lambda: fn(*args), 5) / batch
+
+
 def sharing_section(quick: bool) -> dict:
     """Smooth vs exact max-min fair sharing on the corpus, and its speed."""
     cases = sharing_cases.corpus(n_random=10 if quick else 50, seed=0)
@@ -88,6 +110,10 @@ def sharing_section(quick: bool) -> dict:
         "us_per_case": 1e6 * batch_s / len(cases),
         "single_case_us": 1e6 * single_s,
         "single_case_shape": list(big.incidence.shape),
+        "us_per_case_by_flows": {
+            name: {f: _speed_by_size(f, dtype) for f in ((4, 8) if quick else (4, 8, 16, 24))}
+            for name, dtype in (("float32", jnp.float32), ("float64", jnp.float64))
+        },
         "temperature": sharing.DEFAULT_TEMPERATURE,
     }
 
@@ -110,6 +136,9 @@ def _print_sharing(s: dict) -> None:
         f"{f} flows x {k} links; one case of {s['single_case_shape'][0]} x "
         f"{s['single_case_shape'][1]} alone {s['single_case_us']:.1f} us"
     )
+    for name, by_flows in s["us_per_case_by_flows"].items():
+        cells = ", ".join(f"{f} flows {us:.1f} us" for f, us in by_flows.items())
+        print(f"  {name}, jit(vmap) over 128 random sets of n flows x 2n links: {cells}")
 
 
 PRINTERS = {"sharing": _print_sharing}
