@@ -164,11 +164,12 @@ def completion_times_s(
     latency_s: jax.Array,
     flow_bytes: jax.Array,
     multiplicity: jax.Array | None = None,
+    start_s: jax.Array | None = None,
     phases: int | None = None,
     rounds: int | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
 ) -> jax.Array:
-    """When each of a set of flows that start together finishes, sharing links max-min fairly.
+    """When each of a set of flows finishes, sharing links max-min fairly.
 
     Args:
         incidence: (flows, links) fraction of each flow's bytes crossing each directed link.
@@ -176,15 +177,18 @@ def completion_times_s(
         latency_s: (links,) seconds added to the completion of a flow crossing the link
             (weighted by the fraction crossing it).
         flow_bytes: (flows,) bytes, >= 0. A flow of 0 bytes, or one that crosses no link,
-            takes no time beyond its path latency (padding: give it 0 bytes and a zero row).
+            takes no time beyond its start and path latency (padding: 0 bytes, a zero row).
         multiplicity: (flows,) >= 1, how many identical flows (same links, same size) each row
             stands for, so that a symmetric set is one row per class; ones if None.
-        phases: phases of the fluid schedule (static); ``flows``, which is exact, if None.
+        start_s: (flows,) >= 0, when each flow starts; all at 0 if None. A later start is one
+            more event: the default phases double.
+        phases: phases of the fluid schedule (static); ``flows`` (``2 * flows`` with
+            ``start_s``), which is exact, if None.
         rounds: water-filling rounds per phase (static); ``min(flows, links)`` if None.
         temperature: relative softness (``DEFAULT_TEMPERATURE``).
 
     Returns:
-        (flows,) completion times in seconds from the common start.
+        (flows,) completion times in seconds from time 0.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -194,32 +198,45 @@ def completion_times_s(
         [2.0, 3.0]
     """
     n_flows = incidence.shape[0]
-    phases = n_flows if phases is None else phases
     dtype = incidence.dtype
+    phases = (n_flows if start_s is None else 2 * n_flows) if phases is None else phases
     live = (flow_bytes > 0) & (jnp.sum(incidence, axis=1) > 0)
     size = jnp.where(live, flow_bytes, 1.0)
     copies = jnp.ones((n_flows,), dtype) if multiplicity is None else multiplicity
+    start = jnp.zeros((n_flows,), dtype) if start_s is None else start_s
     # every running flow gets at least the first water level, so all finish by half this
-    # horizon; it caps the phases that come after the last finish
+    # horizon; it caps the phases that come after the last event
     first_level = smooth.safe_div(
         1.0, smooth.smooth_max(copies @ incidence / capacity_Bps, temperature=temperature)
     )
-    horizon = 2.0 * smooth.safe_div(smooth.smooth_max(size, temperature=temperature), first_level)
+    horizon = 2.0 * (
+        smooth.smooth_max(start, temperature=temperature)
+        + smooth.safe_div(smooth.smooth_max(size, temperature=temperature), first_level)
+    )
+    floor = DONE_FLOOR * horizon
 
     def phase(carry, _):
-        running, sent, elapsed = carry
+        running, waiting, sent, elapsed, clock = carry
         rates = max_min_rates(incidence, capacity_Bps, running * copies, rounds, temperature)
         left = size * smooth.smax2(1.0 - sent, 0.0, temperature)
         finish = smooth.safe_div(running * rates, left + (1.0 - running) * DONE_FLOOR * size)
-        top = smooth.softmax_mean(finish, temperature=temperature)
+        until = smooth.clip_exact(start - clock, 0.0, horizon)  # a start's event rate: 1/until
+        arrive = waiting / (until + floor)
+        top = smooth.softmax_mean(jnp.concatenate([finish, arrive]), temperature=temperature)
         dt = smooth.smin2(smooth.safe_div(1.0, top), horizon, temperature)
-        elapsed = elapsed + running * dt
-        sent = sent + rates * dt / size
-        return (running * jnp.exp(_gate_log_open(finish, top, temperature)), sent, elapsed), None
+        elapsed = elapsed + (running + waiting) * dt
+        sent = sent + (1.0 - waiting) * rates * dt / size  # a waiting flow sends nothing
+        keep_running = jnp.exp(_gate_log_open(finish, top, temperature))
+        keep_waiting = jnp.exp(_gate_log_open(arrive, top, temperature))
+        running = running * keep_running + waiting * (1.0 - keep_waiting)
+        return (running, waiting * keep_waiting, sent, elapsed, clock + dt), None
 
-    init = (live.astype(dtype), jnp.zeros((n_flows,), dtype), jnp.zeros((n_flows,), dtype))
-    (_, _, elapsed), _ = jax.lax.scan(phase, init, None, length=phases)
-    return elapsed + incidence @ latency_s
+    later = live & (start > 0)
+    zeros = jnp.zeros((n_flows,), dtype)
+    init = ((live & ~later).astype(dtype), later.astype(dtype), zeros, zeros, jnp.zeros((), dtype))
+    (_, waiting, _, elapsed, _), _ = jax.lax.scan(phase, init, None, length=phases)
+    # a flow without bytes or links completes at its start
+    return jnp.where(live, elapsed, start) + incidence @ latency_s
 
 
 def group_makespan_s(

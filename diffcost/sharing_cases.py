@@ -32,7 +32,8 @@ class SharingCase:
     """One network and one set of flows that start together.
 
     Shapes: ``incidence`` (flows, links) in [0, 1]; ``capacity_Bps`` and ``latency_s``
-    (links,); ``flow_bytes`` and ``group`` (flows,), ``group`` in ``[0, n_groups)`` or -1.
+    (links,); ``flow_bytes``, ``group`` and ``start_s`` (flows,), ``group`` in
+    ``[0, n_groups)`` or -1.
     """
 
     name: str
@@ -42,6 +43,7 @@ class SharingCase:
     flow_bytes: np.ndarray
     group: np.ndarray
     n_groups: int
+    start_s: np.ndarray | None = None  # (flows,) when each flow starts; all at 0 if None
 
 
 def random_graph(rng: np.random.Generator, n_nodes: int, extra_edges: int) -> list[tuple]:
@@ -226,6 +228,25 @@ def corpus(n_random: int = 50, seed: int = 0) -> list[SharingCase]:
     return [random_case(rng, f"random_{i}") for i in range(n_random)] + structured_cases()
 
 
+def staggered(cases: list[SharingCase], seed: int = 0) -> list[SharingCase]:
+    """The same cases with start times: each flow starts at 0 with probability 1/2, otherwise
+    uniformly within the case's exact makespan when all start together."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for case in cases:
+        span = sharing_reference.completion_times_s(
+            case.incidence, case.capacity_Bps, case.latency_s, case.flow_bytes
+        ).max()
+        n = len(case.flow_bytes)
+        start = np.where(rng.random(n) < 0.5, 0.0, rng.uniform(0.0, span, n))
+        out.append(dataclasses.replace(case, name=f"{case.name}_staggered", start_s=start))
+    return out
+
+
+def _starts(case: SharingCase) -> np.ndarray:
+    return np.zeros(len(case.flow_bytes)) if case.start_s is None else case.start_s
+
+
 def pad(case: SharingCase, n_flows: int, n_links: int) -> SharingCase:
     """The same case with padding flows (no bytes, no links, group -1) and padding links
     (capacity 1 B/s, no latency, no flows) up to the given shape."""
@@ -239,6 +260,7 @@ def pad(case: SharingCase, n_flows: int, n_links: int) -> SharingCase:
         latency_s=np.pad(case.latency_s, (0, n_links - k)),
         flow_bytes=np.pad(case.flow_bytes, (0, n_flows - f)),
         group=np.pad(case.group, (0, n_flows - f), constant_values=-1),
+        start_s=np.pad(_starts(case), (0, n_flows - f)),
     )
 
 
@@ -247,7 +269,7 @@ def stack(cases: list[SharingCase]) -> dict[str, np.ndarray]:
     n_flows = max(c.incidence.shape[0] for c in cases)
     n_links = max(c.incidence.shape[1] for c in cases)
     padded = [pad(c, n_flows, n_links) for c in cases]
-    fields = ("incidence", "capacity_Bps", "latency_s", "flow_bytes", "group")
+    fields = ("incidence", "capacity_Bps", "latency_s", "flow_bytes", "group", "start_s")
     return {name: np.stack([getattr(c, name) for c in padded]) for name in fields}
 
 
@@ -270,12 +292,18 @@ def smooth_batch(cases: list[SharingCase], dtype=None, temperature: float | None
     dtype = jnp.zeros(()).dtype if dtype is None else dtype
     args = tuple(
         jnp.asarray(arrays[k], dtype=dtype)
-        for k in ("incidence", "capacity_Bps", "latency_s", "flow_bytes")
+        for k in ("incidence", "capacity_Bps", "latency_s", "flow_bytes", "start_s")
     ) + (jnp.asarray(arrays["group"]),)
+    any_start = any(c.start_s is not None for c in cases)
 
-    def one(incidence, capacity_Bps, latency_s, flow_bytes, group):
+    def one(incidence, capacity_Bps, latency_s, flow_bytes, start_s, group):
         done = sharing.completion_times_s(
-            incidence, capacity_Bps, latency_s, flow_bytes, temperature=temperature
+            incidence,
+            capacity_Bps,
+            latency_s,
+            flow_bytes,
+            start_s=start_s if any_start else None,
+            temperature=temperature,
         )
         return done, sharing.group_makespan_s(done, group, n_groups, temperature)
 
@@ -292,7 +320,7 @@ def relative_errors(case: SharingCase, completion_s, makespan_s) -> np.ndarray:
     """|smooth / exact - 1| of every flow's completion and every non-empty group's makespan,
     the exact values from ``diffcost.sharing_reference``."""
     exact = sharing_reference.completion_times_s(
-        case.incidence, case.capacity_Bps, case.latency_s, case.flow_bytes
+        case.incidence, case.capacity_Bps, case.latency_s, case.flow_bytes, start_s=case.start_s
     )
     span = sharing_reference.group_makespan_s(exact, case.group, case.n_groups)
     has = span > 0

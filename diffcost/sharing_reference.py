@@ -9,13 +9,13 @@ smooth model's error:
   which link ``l`` saturates is its remaining capacity over the unfrozen flows' fractions on
   it; at the lowest such level the flows crossing a saturated link freeze; repeat until every
   flow is frozen;
-* ``completion_times_s``: a fluid, event-driven schedule. At every event (a flow finishing) the
-  rates of the flows still running are recomputed by progressive filling, the clock advances
-  to the next finish, and every running flow's remaining bytes drop by ``rate * dt``. A flow's
-  completion is its finish plus its path latency ``incidence @ latency_s``.
+* ``completion_times_s``: a fluid, event-driven schedule. At every event (a flow starting or
+  finishing) the rates of the running flows are recomputed by progressive filling, the clock
+  advances to the next event, and every running flow's remaining bytes drop by ``rate * dt``.
+  A flow's completion is its finish plus its path latency ``incidence @ latency_s``.
 
 The conventions are ``diffcost.sharing``'s (its module docstring): a flow of 0 bytes or one that
-crosses no link takes no time beyond its path latency.
+crosses no link finishes at its start (plus its path latency).
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def max_min_rates(incidence, capacity_Bps, running=None) -> np.ndarray:
 
 
 def completion_times_s(
-    incidence, capacity_Bps, latency_s, flow_bytes, multiplicity=None
+    incidence, capacity_Bps, latency_s, flow_bytes, multiplicity=None, start_s=None
 ) -> np.ndarray:
-    """Exact completion times of flows that start together and share links max-min fairly.
+    """Exact completion times of flows that share links max-min fairly.
 
     Args:
         incidence: (flows, links) fraction of each flow's bytes crossing each link.
@@ -73,9 +73,10 @@ def completion_times_s(
         flow_bytes: (flows,) bytes, >= 0.
         multiplicity: (flows,) int >= 1, identical flows each row stands for; they are
             simulated as separate flows. Ones if None.
+        start_s: (flows,) seconds >= 0, when each flow starts; all at 0 if None.
 
     Returns:
-        (flows,) seconds from the common start.
+        (flows,) seconds from time 0.
 
     Raises:
         ValueError: malformed inputs (``check_flows``).
@@ -84,28 +85,41 @@ def completion_times_s(
     size = np.asarray(flow_bytes, dtype=float)
     lat = np.asarray(latency_s, dtype=float)
     check_flows(a, capacity_Bps, lat, size)
+    start = np.zeros(len(size)) if start_s is None else np.asarray(start_s, dtype=float)
+    if start.shape != size.shape or not np.isfinite(start).all() or (start < 0).any():
+        raise ValueError(f"start_s: need {size.shape} finite times >= 0, got {start}")
     if multiplicity is not None:
         copies = np.asarray(multiplicity)
         if copies.shape != size.shape or (copies < 1).any() or (copies != np.round(copies)).any():
             raise ValueError(f"multiplicity: need {size.shape} whole numbers >= 1, got {copies}")
         rows = np.repeat(np.arange(len(size)), copies.astype(int))
-        done = completion_times_s(a[rows], capacity_Bps, lat, size[rows])
+        done = completion_times_s(a[rows], capacity_Bps, lat, size[rows], start_s=start[rows])
         return done[np.searchsorted(rows, np.arange(len(size)))]
+    return _fluid_schedule(a, capacity_Bps, size, start) + a @ lat
+
+
+def _fluid_schedule(a, capacity_Bps, size, start) -> np.ndarray:
+    """Finish times of the flows: events are starts and finishes; rates are recomputed at each."""
+    live = (size > 0) & (a > 0).any(axis=1)
     left = size.copy()
-    running = (size > 0) & (a > 0).any(axis=1)
-    finish = np.zeros(a.shape[0])
+    finish = start.copy()  # a flow without bytes or links finishes at its start
+    waiting = live & (start > 0)
+    running = live & ~waiting
     now = 0.0
-    while running.any():
+    while running.any() or waiting.any():
         rates = max_min_rates(a, capacity_Bps, running)
         to_go = np.full(a.shape[0], np.inf)
         to_go[running] = left[running] / rates[running]
-        dt = to_go.min()
+        to_start = np.where(waiting, start - now, np.inf)
+        dt = min(to_go.min(), to_start.min())
         done = running & (to_go <= dt * (1.0 + _TIE))
+        arrived = waiting & (to_start <= dt * (1.0 + _TIE))
         now += dt
         left[running] -= rates[running] * dt
         finish[done] = now
-        running &= ~done
-    return finish + a @ lat
+        running = (running & ~done) | arrived
+        waiting &= ~arrived
+    return finish
 
 
 def group_makespan_s(completion_s, group, n_groups: int) -> np.ndarray:

@@ -181,3 +181,19 @@ def test_multiplicity_stands_for_identical_flows():
         *_j(incidence, capacity, latency, sizes), multiplicity=jnp.asarray(copies, dtype=float)
     )
     np.testing.assert_allclose(got, exact, rtol=TARGET / 10)
+
+
+def test_a_later_start_is_one_more_event():
+    # 10 B/s link: flow 0 (10 B) alone until flow 1 (20 B) starts at 0.5 s, then both at 5 B/s
+    args = ([[1.0], [1.0]], [10.0], [0.0], [10.0, 20.0])
+    exact = sharing_reference.completion_times_s(*args, start_s=[0.0, 0.5])
+    np.testing.assert_allclose(exact, [1.5, 3.0])
+    got = sharing.completion_times_s(*_j(*args), start_s=jnp.array([0.0, 0.5]))
+    np.testing.assert_allclose(got, exact, rtol=1e-5)
+
+
+def test_staggered_starts_within_one_percent_of_exact():
+    cases = sharing_cases.staggered(sharing_cases.corpus(n_random=10, seed=2), seed=3)
+    fn, args, unpad = sharing_cases.smooth_batch(cases)
+    errs = [sharing_cases.relative_errors(c, *r) for c, r in zip(cases, unpad(fn(*args)))]
+    assert max(e.max() for e in errs) <= TARGET
