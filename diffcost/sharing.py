@@ -34,8 +34,11 @@ exact. This module runs that many rounds with three smooth surrogates (``diffcos
 running, the next finish ``dt = 1 / softmax_mean(rate / remaining bytes)``, every flow advanced by
 ``rate * dt``, and the flows whose finish falls within the gate's slack of ``dt`` marked done by
 the same sigmoid gate (flows that finish together, as the steps of a ring collective do, leave
-in one phase). At least one flow finishes per phase, so ``flows`` phases are exact. A flow's
-completion is the sum of the phase lengths while it ran, plus its path latency
+in one phase). At least one flow finishes per phase, so ``flows`` phases are exact. Flows may
+start later (``start_s``): a start is one more event (the next event is the earlier of the next
+finish and the next start, and the default phases double); a waiting flow sends nothing. One
+row may stand for ``multiplicity`` identical flows. A flow's completion is the sum of the phase
+lengths until it finished, plus its path latency
 (``incidence @ latency_s``: the expected latency over its ECMP paths; latency delays the
 flow's end and does not hold bandwidth). The makespan of a group (a collective is a group of
 flows) is the ``softmax_mean`` of its flows' completions (exact when they tie).
@@ -181,7 +184,8 @@ def completion_times_s(
         multiplicity: (flows,) >= 1, how many identical flows (same links, same size) each row
             stands for, so that a symmetric set is one row per class; ones if None.
         start_s: (flows,) >= 0, when each flow starts; all at 0 if None. A later start is one
-            more event: the default phases double.
+            more event: the default phases double. Time 0 is the earliest start: at exactly 0
+            the gradient with respect to a start is the one from below (0).
         phases: phases of the fluid schedule (static); ``flows`` (``2 * flows`` with
             ``start_s``), which is exact, if None.
         rounds: water-filling rounds per phase (static); ``min(flows, links)`` if None.
@@ -269,9 +273,11 @@ def makespan_s(
     flow_bytes: jax.Array,
     group: jax.Array,
     n_groups: int,
+    multiplicity: jax.Array | None = None,
+    start_s: jax.Array | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
 ) -> jax.Array:
-    """Makespan of each of ``n_groups`` concurrent groups of flows that start together.
+    """Makespan of each of ``n_groups`` concurrent groups of flows (from time 0).
 
     ``completion_times_s`` then ``group_makespan_s``; the arguments are theirs.
 
@@ -279,6 +285,12 @@ def makespan_s(
         (n_groups,) seconds.
     """
     done = completion_times_s(
-        incidence, capacity_Bps, latency_s, flow_bytes, temperature=temperature
+        incidence,
+        capacity_Bps,
+        latency_s,
+        flow_bytes,
+        multiplicity=multiplicity,
+        start_s=start_s,
+        temperature=temperature,
     )
     return group_makespan_s(done, group, n_groups, temperature)

@@ -197,3 +197,23 @@ def test_staggered_starts_within_one_percent_of_exact():
     fn, args, unpad = sharing_cases.smooth_batch(cases)
     errs = [sharing_cases.relative_errors(c, *r) for c, r in zip(cases, unpad(fn(*args)))]
     assert max(e.max() for e in errs) <= TARGET
+
+
+def test_makespan_gradients_with_starts_and_multiplicity_match_finite_differences():
+    case = sharing_cases.structured_cases()[3]  # ECMP over two unequal spines
+    n = len(case.flow_bytes)
+    copies = jnp.asarray(np.where(np.arange(n) % 2 == 0, 2.0, 1.0))
+    # a start at exactly 0 is a kink (time 0 is the earliest start): keep away from it
+    start0_ms = jnp.asarray(np.linspace(0.1, 2.0, n))
+    a, c, lat, b = _j(case.incidence, case.capacity_Bps, case.latency_s, case.flow_bytes)
+
+    def f(log_c, start_ms):
+        group = jnp.asarray(case.group)
+        start = start_ms * 1e-3
+        span = sharing.makespan_s(
+            a, c * jnp.exp(log_c), lat, b, group, case.n_groups, copies, start
+        )
+        return jnp.sum(span * jnp.arange(1.0, case.n_groups + 1.0))
+
+    args = (jnp.zeros(len(case.capacity_Bps)), start0_ms)
+    check_grads(f, args, order=1, modes=("rev",), eps=1e-7, rtol=GRAD_RTOL, atol=0.0)
