@@ -133,3 +133,23 @@ def smooth_ceil(x, temperature: float = DEFAULT_TEMPERATURE):
     frac = x - base
     # frac in [0, 1): ceil adds 1 for any frac > 0.
     return base + jax.nn.sigmoid((frac - jnp.sqrt(temperature)) / temperature)
+
+
+def softmax_mean(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
+    """Smooth maximum that is exact where the largest values tie: ``sum(softmax(x / tau) * x)``
+    along ``axis`` with ``tau = temperature * max|x|`` (0: the exact maximum).
+
+    Unlike ``smooth_max`` (``tau * log(n)`` above the maximum when ``n`` values tie) it equals
+    the maximum when the top values are equal, as the flows of a symmetric collective are. It is
+    never above the exact maximum and below it by at most ``tau / e`` per other value (``g *
+    exp(-g / tau)`` for a value ``g`` below the maximum); where every input is zero it is zero.
+    """
+    x = jnp.asarray(x)
+    exact = jnp.max(x, axis=axis)
+    if temperature == 0:
+        return exact
+    scale = jax.lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=True))
+    ok = temperature * scale > jnp.finfo(x.dtype).tiny
+    tau = temperature * jnp.where(ok, scale, 1.0)
+    out = jnp.sum(jax.nn.softmax(x / tau, axis=axis) * x, axis=axis)
+    return jnp.where(jnp.squeeze(ok, axis=axis), out, exact)

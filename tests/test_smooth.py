@@ -107,3 +107,19 @@ def test_clip_exact_is_exact_and_differentiable():
     assert float(smooth.clip_exact(0.5, 1.0, 4.0)) == 1.0
     g = jax.grad(lambda hi: smooth.clip_exact(8.0, 1.0, hi))(1.0)
     assert float(g) == 1.0
+
+
+@given(values)
+@settings(max_examples=50, deadline=None)
+def test_softmax_mean_bounds_converges_and_is_exact_at_ties(xs):
+    x = jnp.asarray(xs)
+    exact = float(jnp.max(x))
+    for t in TEMPERATURES:
+        s = float(smooth.softmax_mean(x, temperature=t))
+        bound = t * float(jnp.max(jnp.abs(x))) / np.e * (len(xs) - 1) + 1e-9
+        assert exact - bound <= s <= exact + 1e-9
+    tied = jnp.full((5,), exact)
+    assert float(smooth.softmax_mean(tied, temperature=1e-2)) == pytest.approx(exact, rel=1e-12)
+    assert float(smooth.softmax_mean(x, temperature=0)) == exact
+    grad = jax.grad(lambda v: smooth.softmax_mean(v, temperature=1e-3))(jnp.zeros(4))
+    assert np.all(np.isfinite(grad))

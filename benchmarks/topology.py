@@ -1,0 +1,183 @@
+"""Networks as graphs: how well and how fast diffcost models them (issue 25).
+
+    python benchmarks/topology.py [--json] [--quick] [--out benchmarks/results/topology.json]
+
+Each figure is one section, computed by its own function in ``SECTIONS``; the JSON output is
+``{section: figures}``. Sections:
+
+* ``sharing``: smooth max-min fair sharing (``diffcost.sharing``) against the exact, event-
+  driven reference (``diffcost.sharing_reference``) on the corpus of ``diffcost.sharing_cases``
+  (50 random graphs x flow sets and the structured cases; ``--quick``: 10 random). ``cases``;
+  ``max_err_pct``: the largest relative error of any flow's completion time or any group's
+  makespan; ``mean_err_pct``: the mean over cases of each case's mean error; the same in float32
+  (``max_err_pct_float32``) and with staggered starts (``max_err_pct_staggered``: half the
+  flows of each case start later, ``sharing_cases.staggered``); ``us_per_case``: warm time
+  of ``jit(vmap)`` over the whole padded corpus (every case padded to the largest shape) per
+  case, and ``single_case_us``: warm time of one jitted case (the largest), unbatched;
+  ``us_per_case_by_flows``: the same per case for
+  random sets of 4, 8, 16 and 24 flows (``--quick``: 4, 8) in float32 and float64. Float64
+  unless stated. Target: max error <= 1%.
+
+Writes the JSON to ``--out`` (not with ``--quick``). Exits non-zero when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import timeit
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diffcost import sharing, sharing_cases  # noqa: E402
+
+TARGETS = {"sharing": {"max_err_pct": 1.0}}
+
+
+def _median_s(fn, repeats: int, inner: int = 1) -> float:
+    """Median over ``repeats`` of the mean warm time of ``inner`` calls, seconds."""
+    runs = timeit.repeat(lambda: jax.block_until_ready(fn()), number=inner, repeat=repeats)
+    return statistics.median(runs) / inner
+
+
+def _errors(cases, dtype) -> list[np.ndarray]:
+    fn, args, unpad = sharing_cases.smooth_batch(cases, dtype=dtype)
+    per_case = unpad(fn(*args))
+    return [sharing_cases.relative_errors(c, *r) for c, r in zip(cases, per_case)]
+
+
+def _speed_by_size(flows: int, dtype, batch: int = 128) -> float:
+    """Warm us per case of ``jit(vmap(completion_times_s))`` over ``batch`` random flow sets
+    of ``flows`` flows on ``2 * flows`` links (each flow on link 0 and each other link with
+    probability 0.3)."""
+    rng = np.random.default_rng(flows)
+    links = 2 * flows
+    incidence = (rng.random((batch, flows, links)) < 0.3).astype(float)
+    incidence[:, :, 0] = 1.0
+    arrays = (
+        incidence,
+        rng.uniform(1e10, 4e11, (batch, links)),
+        np.full((batch, links), 1e-6),
+        rng.uniform(1e6, 1e9, (batch, flows)),
+    )
+    args = [jnp.asarray(x, dtype=dtype) for x in arrays]
+    fn = jax.jit(jax.vmap(sharing.completion_times_s))
+    jax.block_until_ready(fn(*args))
+    return 1e6 * _median_s(lambda: fn(*args), 5) / batch
+
+
+def sharing_section(quick: bool) -> dict:
+    """Smooth vs exact max-min fair sharing on the corpus, and its speed."""
+    cases = sharing_cases.corpus(n_random=10 if quick else 50, seed=0)
+    errs = _errors(cases, jnp.float64)
+    errs32 = _errors(cases, jnp.float32)
+    errs_staggered = _errors(sharing_cases.staggered(cases, seed=0), jnp.float64)
+    worst = int(np.argmax([e.max() for e in errs]))
+
+    fn, args, _ = sharing_cases.smooth_batch(cases)
+    jax.block_until_ready(fn(*args))
+    batch_s = _median_s(lambda: fn(*args), 5)
+
+    big = max(cases, key=lambda c: c.incidence.size)
+    one = jax.jit(sharing.completion_times_s)
+    one_args = tuple(
+        jnp.asarray(x) for x in (big.incidence, big.capacity_Bps, big.latency_s, big.flow_bytes)
+    )
+    jax.block_until_ready(one(*one_args))
+    single_s = _median_s(lambda: one(*one_args), 5, 20)
+    flows, links = args[0].shape[1:]
+    return {
+        "cases": len(cases),
+        "max_err_pct": 100 * float(errs[worst].max()),
+        "mean_err_pct": 100 * float(np.mean([e.mean() for e in errs])),
+        "worst_case": cases[worst].name,
+        "max_err_pct_float32": 100 * float(max(e.max() for e in errs32)),
+        "mean_err_pct_float32": 100 * float(np.mean([e.mean() for e in errs32])),
+        "max_err_pct_staggered": 100 * float(max(e.max() for e in errs_staggered)),
+        "mean_err_pct_staggered": 100 * float(np.mean([e.mean() for e in errs_staggered])),
+        "structured_max_err_pct": {
+            c.name: 100 * float(e.max())
+            for c, e in zip(cases, errs)
+            if not c.name.startswith("random")
+        },
+        "padded_shape": [int(flows), int(links)],
+        "us_per_case": 1e6 * batch_s / len(cases),
+        "single_case_us": 1e6 * single_s,
+        "single_case_shape": list(big.incidence.shape),
+        "us_per_case_by_flows": {
+            name: {f: _speed_by_size(f, dtype) for f in ((4, 8) if quick else (4, 8, 16, 24))}
+            for name, dtype in (("float32", jnp.float32), ("float64", jnp.float64))
+        },
+        "temperature": sharing.DEFAULT_TEMPERATURE,
+    }
+
+
+# later sections ("collectives", "sweep_configs_per_s", "design", ...) are added here
+SECTIONS = {"sharing": sharing_section}
+
+
+def _print_sharing(s: dict) -> None:
+    print(
+        f"sharing: smooth vs exact max-min fair sharing on {s['cases']} cases: "
+        f"max {s['max_err_pct']:.3f}% ({s['worst_case']}), mean {s['mean_err_pct']:.4f}% "
+        f"(float32: max {s['max_err_pct_float32']:.3f}%, mean {s['mean_err_pct_float32']:.4f}%)"
+    )
+    print(
+        f"  the same cases with staggered starts: max {s['max_err_pct_staggered']:.3f}%, "
+        f"mean {s['mean_err_pct_staggered']:.4f}%"
+    )
+    for name, e in s["structured_max_err_pct"].items():
+        print(f"  {name:28s} max {e:.4f}%")
+    f, k = s["padded_shape"]
+    print(
+        f"  speed: {s['us_per_case']:.1f} us per case, jit(vmap) over the corpus padded to "
+        f"{f} flows x {k} links; one case of {s['single_case_shape'][0]} x "
+        f"{s['single_case_shape'][1]} alone {s['single_case_us']:.1f} us"
+    )
+    for name, by_flows in s["us_per_case_by_flows"].items():
+        cells = ", ".join(f"{f} flows {us:.1f} us" for f, us in by_flows.items())
+        print(f"  {name}, jit(vmap) over 128 random sets of n flows x 2n links: {cells}")
+
+
+PRINTERS = {"sharing": _print_sharing}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smaller corpus")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "topology.json"))
+    args = parser.parse_args(argv)
+    out = {name: fn(args.quick) for name, fn in SECTIONS.items()}
+    missed = [
+        f"{section}.{key}"
+        for section, targets in TARGETS.items()
+        for key, limit in targets.items()
+        if out[section][key] > limit
+    ]
+    out["targets_missed"] = missed
+    if not args.quick:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for name in SECTIONS:
+            PRINTERS[name](out[name])
+        print("targets missed: " + (", ".join(missed) if missed else "none"))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
