@@ -281,7 +281,8 @@ def operator_signatures(op: Operator, graph: Graph, n: int) -> tuple[Signature, 
     divides, distinct, and the replicated one (last)."""
     sigs: dict[tuple, Signature] = {}
     for loop in operator_loops(op, graph, n):
-        if n > 1 and loop.size % n == 0 and any(a is not None for a in loop.outputs):
+        indexed = loop.summed or any(a is not None for a in loop.outputs)
+        if n > 1 and loop.size % n == 0 and indexed:
             sig = loop_signature(loop, n)
             sigs.setdefault((sig.inputs, sig.outputs), sig)
     return (*sigs.values(), replicated(len(op.inputs), len(op.outputs)))
@@ -432,6 +433,22 @@ class SbpCosts:
     edge_s: jnp.ndarray
 
 
+def _unfinished_bytes(problem: SbpProblem) -> np.ndarray:
+    """Bytes of graph outputs a node's signature leaves as partial sums ``[n_nodes, K]``: the
+    step's results must be complete, so these are reduce-scattered."""
+    outputs = set(problem.graph.outputs)
+    out = np.zeros((len(problem.nodes), problem.max_signatures))
+    for i, node in enumerate(problem.nodes):
+        if node.op < 0:
+            continue
+        op = problem.graph.operators[node.op]
+        for s, sig in enumerate(node.signatures):
+            for t, x in zip(op.outputs, sig.outputs):
+                if t in outputs and x.kind == "P":
+                    out[i, s] += problem.graph.tensors[t].bytes
+    return out
+
+
 def _stored_bytes(problem: SbpProblem) -> np.ndarray:
     """Optimizer-update bytes of every trained stored tensor per signature ``[n_nodes, K]``."""
     k = problem.max_signatures
@@ -458,6 +475,7 @@ def sbp_costs(
     return _price(
         candidate_arrays(problem, graph_arrays(problem.graph)),
         jnp.asarray(_stored_bytes(problem)),
+        jnp.asarray(_unfinished_bytes(problem)),
         jnp.asarray(size.reshape(-1)),
         jnp.asarray(fwd),
         jnp.asarray(bwd),
@@ -469,12 +487,14 @@ def sbp_costs(
     )
 
 
-@partial(jax.jit, static_argnums=(7, 8, 9))
-def _price(cand, stored, size, fwd, bwd, cluster, params, n, n_nodes, temperature) -> SbpCosts:
+@partial(jax.jit, static_argnums=(8, 9, 10))
+def _price(cand, stored, partial_out, size, fwd, bwd, cluster, params, n, n_nodes, temperature):
     node_s = op_times_s(cand, cluster, params, temperature).reshape(n_nodes, -1)
     node_s = node_s + jnp.where(stored > 0, memory_bound_s(stored, cluster, params), 0.0)
     group = comm.place(n, 1.0, cluster.gpus_per_node)
     args = (group, cluster, params, temperature)
+    finish = comm.reduce_scatter_s(partial_out, *args)
+    node_s = node_s + jnp.where(partial_out > 0, finish, 0.0)
     table = jnp.stack(
         [
             jnp.zeros_like(size),

@@ -93,6 +93,27 @@ def coordinate_descent(
     return SbpSolution(tuple(int(x) for x in c), assignment_cost_s(problem, costs, c), "cd")
 
 
+def pair_descent(problem: SbpProblem, costs: SbpCosts, start, max_sweeps: int = 20):
+    """Local search over joint changes of the two ends of each use (a weight and the product
+    reading it change together), alternating with ``coordinate_descent`` until neither
+    improves."""
+    valid = problem.valid()
+    best = coordinate_descent(problem, costs, start=start)
+    for _ in range(max_sweeps):
+        improved = False
+        for u, v in {tuple(e) for e in problem.edges().tolist()}:
+            for a, b in itertools.product(np.flatnonzero(valid[u]), np.flatnonzero(valid[v])):
+                c = list(best.choice)
+                c[u], c[v] = int(a), int(b)
+                cost = assignment_cost_s(problem, costs, c)
+                if cost < best.cost_s * (1 - 1e-12):
+                    best, improved = SbpSolution(tuple(c), cost, best.method), True
+        if not improved:
+            break
+        best = coordinate_descent(problem, costs, start=best.choice)
+    return best
+
+
 def brute_force(problem: SbpProblem, costs: SbpCosts, limit: int = 200_000) -> SbpSolution:
     """The exact optimum by enumeration (at most ``limit`` assignments)."""
     sizes = [len(n.signatures) for n in problem.nodes]
@@ -193,12 +214,14 @@ def free_energy(logits, node_s, edge_s, edges, mask, temperature):
 
 @dataclasses.dataclass(frozen=True)
 class GradientConfig:
-    """Relaxed-search settings: random starts, Adam steps and rate, the temperature path."""
+    """Relaxed-search settings: random starts, Adam steps and rate, the temperature paths
+    (geometric from each of ``tau_starts`` to ``tau_end``, in units of the mean cost per node
+    of the replicated assignment)."""
 
-    restarts: int = 16
+    restarts: int = 32
     steps: int = 400
     learning_rate: float = 0.2
-    tau_start: float = 1.0
+    tau_starts: tuple[float, ...] = (1.0, 0.3, 0.1, 0.03)  # the restarts take these in turn
     tau_end: float = 0.001
     init_scale: float = 0.1
     polish: bool = True
@@ -219,10 +242,11 @@ def relaxed_descent(problem: SbpProblem, costs: SbpCosts, cfg: GradientConfig):
 
     key = jax.random.PRNGKey(cfg.seed)
     starts = cfg.init_scale * jax.random.normal(key, (cfg.restarts, *valid.shape))
-    taus = descent.geometric(cfg.tau_start, cfg.tau_end, cfg.steps)
+    taus = jnp.stack([descent.geometric(t, cfg.tau_end, cfg.steps) for t in cfg.tau_starts])
+    taus = jnp.tile(taus, (-(-cfg.restarts // len(cfg.tau_starts)), 1))[: cfg.restarts]
     optimizer = descent.adam(cfg.learning_rate, cfg.steps)
-    run = lambda x0: descent.descend(loss, x0, optimizer, (taus,))[0]  # noqa: E731
-    return jax.jit(jax.vmap(run))(starts) + mask
+    run = lambda x0, tau: descent.descend(loss, x0, optimizer, (tau,))[0]  # noqa: E731
+    return jax.jit(jax.vmap(run))(starts, taus) + mask
 
 
 def conditional_rounding(problem: SbpProblem, costs: SbpCosts, probs) -> tuple[int, ...]:
@@ -250,8 +274,8 @@ def conditional_rounding(problem: SbpProblem, costs: SbpCosts, probs) -> tuple[i
 def gradient_search(
     problem: SbpProblem, costs: SbpCosts, cfg: GradientConfig | None = None
 ) -> SbpSolution:
-    """The best rounded start of the relaxed descent, polished by coordinate descent when
-    ``cfg.polish`` (method ``"gradient"``; ``"gradient+cd"`` if polishing changed it)."""
+    """The best rounded start of the relaxed descent, polished by ``pair_descent`` when
+    ``cfg.polish`` (method ``"gradient"``; ``"gradient+local"`` if polishing changed it)."""
     cfg = cfg or GradientConfig()
     logits = np.asarray(relaxed_descent(problem, costs, cfg))
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))
@@ -259,9 +283,9 @@ def gradient_search(
     scored = sorted((assignment_cost_s(problem, costs, c), c) for c in set(rounded))
     cost, best = scored[0]
     if cfg.polish:
-        polished = coordinate_descent(problem, costs, start=best)
+        polished = pair_descent(problem, costs, start=best)
         if polished.cost_s < cost:
-            return SbpSolution(polished.choice, polished.cost_s, "gradient+cd")
+            return SbpSolution(polished.choice, polished.cost_s, "gradient+local")
     return SbpSolution(best, cost, "gradient")
 
 
