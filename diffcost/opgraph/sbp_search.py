@@ -35,11 +35,13 @@ _MASKED = -1e9
 
 @dataclasses.dataclass(frozen=True)
 class SbpSolution:
-    """One signature index per node and the exact cost (seconds) of that assignment."""
+    """One signature index per node and the exact cost (seconds) of that assignment;
+    ``rounded_s``: for a gradient search, the cost of its best rounded start before polishing."""
 
     choice: tuple[int, ...]
     cost_s: float
     method: str
+    rounded_s: float | None = None
 
 
 def _numpy(problem: SbpProblem, costs: SbpCosts):
@@ -223,7 +225,7 @@ class GradientConfig:
     learning_rate: float = 0.2
     tau_starts: tuple[float, ...] = (1.0, 0.3, 0.1, 0.03)  # the restarts take these in turn
     tau_end: float = 0.001
-    init_scale: float = 0.1
+    init_scales: tuple[float, ...] = (1.0, 3.0)  # spread of the random starting logits
     polish: bool = True
     seed: int = 0
 
@@ -241,7 +243,8 @@ def relaxed_descent(problem: SbpProblem, costs: SbpCosts, cfg: GradientConfig):
         return free_energy(logits, node_s / scale, costs.edge_s / scale, edges, mask, tau)
 
     key = jax.random.PRNGKey(cfg.seed)
-    starts = cfg.init_scale * jax.random.normal(key, (cfg.restarts, *valid.shape))
+    scales = jnp.resize(jnp.repeat(jnp.asarray(cfg.init_scales), len(cfg.tau_starts)), cfg.restarts)
+    starts = scales[:, None, None] * jax.random.normal(key, (cfg.restarts, *valid.shape))
     taus = jnp.stack([descent.geometric(t, cfg.tau_end, cfg.steps) for t in cfg.tau_starts])
     taus = jnp.tile(taus, (-(-cfg.restarts // len(cfg.tau_starts)), 1))[: cfg.restarts]
     optimizer = descent.adam(cfg.learning_rate, cfg.steps)
@@ -285,8 +288,8 @@ def gradient_search(
     if cfg.polish:
         polished = pair_descent(problem, costs, start=best)
         if polished.cost_s < cost:
-            return SbpSolution(polished.choice, polished.cost_s, "gradient+local")
-    return SbpSolution(best, cost, "gradient")
+            return SbpSolution(polished.choice, polished.cost_s, "gradient+local", cost)
+    return SbpSolution(best, cost, "gradient", cost)
 
 
 def describe(problem: SbpProblem, solution: SbpSolution) -> list[tuple[str, str]]:
