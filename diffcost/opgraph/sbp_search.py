@@ -4,12 +4,14 @@ The problem (``sbp.SbpProblem`` with ``sbp.SbpCosts``) is a pairwise cost over o
 node: ``sum_i node_s[i, s_i] + sum_e edge_s[e, s_u(e), s_v(e)]``.
 
 * ``gradient_search``: the project's relaxed-plan style. Each node holds logits over its
-  signatures; the probabilities ``softmax(logits / tau)`` are independent, so the expected cost
+  signatures; the probabilities ``softmax(logits)`` are independent, so the expected cost
   ``sum_i p_i . node_s_i + sum_e p_u^T edge_s_e p_v`` is exact at one-hot choices and smooth in
-  between. Adam (``descent.descend``) runs from several random starts at once (``vmap``) while
-  ``tau`` anneals geometrically towards 0; each start is rounded to its most likely
-  signatures, evaluated exactly, and the best one is improved by coordinate descent until no
-  single change helps (as ``search.py`` polishes its rounded plans by local search).
+  between. Adam (``descent.descend``) minimizes the expected cost minus a temperature times
+  the choices' entropy (deterministic annealing), from many random starts at once (``vmap``)
+  while the temperature falls geometrically. Each start is rounded node by node by
+  conditional expectations (never above its mixture's expected cost), evaluated exactly, and
+  the best is polished by local search over single and paired changes (as ``search.py``
+  polishes its rounded plans).
 * ``coordinate_descent``: AutoDDL's baseline. From a start (each node's cheapest own cost),
   visit the nodes in order and give each the signature that is cheapest with its neighbours
   fixed, until a full sweep changes nothing.
@@ -220,7 +222,7 @@ class GradientConfig:
     (geometric from each of ``tau_starts`` to ``tau_end``, in units of the mean cost per node
     of the replicated assignment)."""
 
-    restarts: int = 32
+    restarts: int = 64
     steps: int = 400
     learning_rate: float = 0.2
     tau_starts: tuple[float, ...] = (1.0, 0.3, 0.1, 0.03)  # the restarts take these in turn
