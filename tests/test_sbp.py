@@ -31,7 +31,7 @@ def _chosen(problem, solution, prefix):
     ]
 
 
-def test_matmul_signatures_are_onefloWs():
+def test_matmul_signatures_are_oneflows():
     f = jax.ShapeDtypeStruct
     g = diffcost.from_jax(lambda w, x: x @ w, f((64, 32), "float32"), f((16, 64), "float32"))
     problem = sbp.sbp_problem(g, 4)
@@ -139,3 +139,15 @@ def test_megatron_layout_on_a_transformer_block(cluster):
     assert sorted(k for k in mlp if k) == [sbp.RELAYOUTS.index("all_reduce")]
     cd = sbp_search.coordinate_descent(problem, costs)
     assert sol.cost_s <= cd.cost_s
+
+
+def test_bad_settings_raise_clear_errors(cluster):
+    with pytest.raises(ValueError, match="restarts"):
+        sbp_search.GradientConfig(restarts=0)
+    with pytest.raises(ValueError, match="mesh_size"):
+        sbp.sbp_problem(sbp_cases.ChainCase(8, (16, 16), "none", 2).graph(), 0)
+    case = sbp_cases.ChainCase(8, (16, 16), "none", 2)
+    problem = sbp.sbp_problem(case.graph(), 2)
+    costs = sbp.sbp_costs(problem, cluster, diffcost.default_params())
+    with pytest.raises(ValueError, match="valid index"):
+        sbp_search.assignment_cost_s(problem, costs, [99] * len(problem.nodes))

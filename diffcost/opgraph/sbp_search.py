@@ -231,6 +231,16 @@ class GradientConfig:
     polish: bool = True
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("restarts", "steps"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GradientConfig.{name}: {getattr(self, name)}; must be >= 1")
+        for name in ("learning_rate", "tau_end"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GradientConfig.{name}: {getattr(self, name)}; must be > 0")
+        if not self.tau_starts or not self.init_scales:
+            raise ValueError("GradientConfig: tau_starts and init_scales need one value or more")
+
 
 def relaxed_descent(problem: SbpProblem, costs: SbpCosts, cfg: GradientConfig):
     """Final logits ``[restarts, n_nodes, K]`` of Adam on the normalized expected cost."""
