@@ -56,7 +56,8 @@ def assignment_cost_s(problem: SbpProblem, costs: SbpCosts, choice) -> float:
     """Exact seconds of the assignment ``choice`` (one signature index per node)."""
     node, edge, edges, valid = _numpy(problem, costs)
     c = np.asarray(choice, dtype=np.int64)
-    if c.shape != (len(problem.nodes),) or not valid[np.arange(len(c)), c].all():
+    ok = c.shape == (len(problem.nodes),) and bool(np.all((c >= 0) & (c < valid.shape[1])))
+    if not ok or not valid[np.arange(len(c)), c].all():
         raise ValueError(f"assignment_cost_s: choice {choice} is not one valid index per node")
     total = node[np.arange(len(c)), c].sum()
     if len(edges):
