@@ -49,6 +49,8 @@ LAYOUT = frozenset(
     "copy copy_p dynamic_slice dynamic_update_slice split stack unstack sharding_constraint "
     "optimization_barrier stop_gradient".split()
 )
+# Axis mappings of layout primitives that sharding needs (transpose, broadcast_in_dim).
+_AXIS_MAPS = ("permutation", "broadcast_dimensions")
 GATHER = frozenset("gather scatter scatter-add scatter_add scatter-mul scatter_mul".split())
 COLLECTIVE = frozenset(
     "psum all_gather all_to_all ppermute psum_scatter reduce_scatter pmax pmin".split()
@@ -224,6 +226,7 @@ def cost(name: str, in_avals, out_avals, params) -> OpCost:
         kind, flops = "reduction", _window_cost(name, in_avals, out_avals, params)
     elif name in LAYOUT:
         kind = "layout"
+        attrs = tuple((k, tuple(params[k])) for k in _AXIS_MAPS if k in params)
     elif name in GATHER:
         kind = "gather"
         if name == "gather" and "FILL_OR_DROP" in str(params.get("mode", "")):
