@@ -348,3 +348,13 @@ def test_more_bandwidth_or_flops_never_slower(priced):
     faster_gemm = cluster.replace(peak_flops=cluster.peak_flops * 2.0)
     assert np.sum(graph_time_s(arrays, faster_hbm, params)) < base
     assert np.sum(graph_time_s(arrays, faster_gemm, params)) < base
+
+
+def test_bfloat16_arguments_are_differentiated():
+    from diffcost.opgraph.trace import differentiated
+
+    bf16 = jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)
+    ints = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert differentiated((bf16, ints), None) == (0,)
+    with pytest.raises(ValueError, match="argument 1 .* not floating point"):
+        differentiated((bf16, ints), (0, 1))

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -195,7 +196,7 @@ def abstract_args(args, where: str):
 
 def _is_float(tree) -> bool:
     leaves = jax.tree_util.tree_leaves(tree)
-    return bool(leaves) and all(np.issubdtype(leaf.dtype, np.inexact) for leaf in leaves)
+    return bool(leaves) and all(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves)
 
 
 def differentiated(args, argnums) -> tuple[int, ...]:
