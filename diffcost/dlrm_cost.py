@@ -75,13 +75,12 @@ LAUNCHES_FIXED = 8  # lookup forward and backward, all-to-alls, all-reduce, opti
 class RankLayout:
     """How placement probabilities spread over ranks (constants of a problem).
 
-    ``column_matrix[t, q, r]``: shards of table ``t`` on rank ``r`` when it is placed column-
-    wise from rank ``q``; ``node_matrix[q, r]``: 1 where ranks ``q`` and ``r`` share a node;
-    ``column_shards[t]``: column shards of table ``t``.
+    ``column_mask[t, j]``: 1 where table ``t`` has a ``j``-th column shard (placed ``j`` ranks
+    after its placement rank, wrapping around); ``column_shards[t]``: its column shards.
+    Ranks ``[i G, (i + 1) G)`` form node ``i``.
     """
 
-    column_matrix: jax.Array
-    node_matrix: jax.Array
+    column_mask: jax.Array
     column_shards: jax.Array
     n_ranks: int = struct.field(pytree_node=False)
     gpus_per_node: int = struct.field(pytree_node=False)
@@ -133,16 +132,14 @@ def rank_layout(dims, n_ranks: int, gpus_per_node: int, dtype=None) -> RankLayou
     per node (a group smaller than a node sits in one node)."""
     dtype = dtype or jnp.result_type(float)
     g = min(gpus_per_node, n_ranks)
-    shards = [column_shards(int(d)) for d in dims]
-    column = np.zeros((len(shards), n_ranks, n_ranks))
-    for t, c in enumerate(shards):
-        for q in range(n_ranks):
-            for j in range(c):
-                column[t, q, (q + j) % n_ranks] += 1.0
-    node = np.arange(n_ranks) // g
+    if n_ranks % g:
+        raise ValueError(
+            f"n_gpus={n_ranks} is invalid: expected a multiple of gpus_per_node={g} (whole nodes)"
+        )
+    shards = np.array([column_shards(int(d)) for d in dims])
+    mask = np.arange(shards.max())[None, :] < shards[:, None]
     return RankLayout(
-        column_matrix=np.asarray(column, dtype),
-        node_matrix=np.asarray(node[:, None] == node[None, :], dtype),
+        column_mask=np.asarray(mask, dtype),
         column_shards=np.asarray(shards, dtype),
         n_ranks=n_ranks,
         gpus_per_node=g,
@@ -222,13 +219,24 @@ def shares(plan: ShardingPlan, layout: RankLayout):
     and pooled output that each rank holds under each type, given the placement ``ranks``."""
     pi = plan.ranks
     n, g = layout.n_ranks, layout.gpus_per_node
-    col = jnp.einsum("tq,tqr->tr", pi, layout.column_matrix) / layout.column_shards[:, None]
-    node = pi @ layout.node_matrix / g
+    col = sum(
+        layout.column_mask[:, j, None] * jnp.roll(pi, j, axis=-1)
+        for j in range(layout.column_mask.shape[1])
+    )
+    col = col / layout.column_shards[:, None]
+    node = node_total(pi, layout) / g
     even = jnp.full_like(pi, 1.0 / n)
     work = jnp.stack([pi, even, col, node, even], axis=1)
     memory = jnp.stack([pi, even, col, node, jnp.ones_like(pi)], axis=1)
     send = jnp.stack([pi, jnp.ones_like(pi), col, node, jnp.zeros_like(pi)], axis=1)
     return work, memory, send
+
+
+def node_total(x, layout: RankLayout):
+    """``x [..., R]`` summed over each node's ranks, repeated on every rank of the node."""
+    n, g = layout.n_ranks, layout.gpus_per_node
+    per_node = jnp.sum(x.reshape(*x.shape[:-1], n // g, g), axis=-1)
+    return jnp.repeat(per_node, g, axis=-1)
 
 
 def _a2a_s(others_bytes, links: comm.GroupLinks, params: Params):
@@ -287,8 +295,8 @@ def dlrm_cost(problem: ShardingProblem, plan: ShardingPlan, temperature=0.0) -> 
     world = comm.place(float(lay.n_ranks), 1.0, c.gpus_per_node)
     links = comm.group_links(world, c, p, temperature)
     a2a_r = smooth.smax2(_a2a_s(send_r, links, p), _a2a_s(recv, links, p), temperature)
-    node_bytes = (w[:, TWRW] * m.batch * m.tables.dim * m.embedding_bytes) @ (
-        plan.ranks @ lay.node_matrix
+    node_bytes = (w[:, TWRW] * m.batch * m.tables.dim * m.embedding_bytes) @ node_total(
+        plan.ranks, lay
     )
     node_group = comm.place(float(lay.gpus_per_node), 1.0, c.gpus_per_node)
     comm_r = a2a_r + comm.reduce_scatter_s(node_bytes, node_group, c, p, temperature)
