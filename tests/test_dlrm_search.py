@@ -1,6 +1,7 @@
 """Embedding-table sharding search against exhaustive search and the greedy planner."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -74,3 +75,30 @@ def test_greedy_places_every_table(tiny):
     plan = greedy(tiny)
     assert len(plan.choices) == 3 and all(c is not None for c in plan.choices)
     assert np.isfinite(plan.iteration_s)
+
+
+TWO_TABLES = """
+batch_size: 8192
+dense_features: 13
+bottom_mlp: [64, 32]
+top_mlp: [64, 1]
+embedding_dim: 32
+tables:
+  - {name: big, rows: 1000000, pooling: 20, zipf: 0.5}
+  - {name: small, rows: 1000, pooling: 2}
+"""
+
+
+def test_command_prints_a_plan(tmp_path, capsys):
+    from diffcost.cli import main
+
+    path = tmp_path / "two.yaml"
+    path.write_text(TWO_TABLES)
+    argv = ["shard-embeddings", str(path), "--cluster", "dgx-h100", "--gpus", "8"]
+    code = main(argv + ["--starts", "5", "--steps", "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["best"]["fits"]
+    assert [t["name"] for t in out["best"]["tables"]] == ["big", "small"]
+    assert out["best"]["iteration_s"] <= out["greedy"]["iteration_s"] * (1 + 1e-9)
+    assert main(argv[:2] + ["--cluster", "dgx-h100", "--gpus", "3"]) == 2  # 8192 % 3 != 0
+    assert "not divisible by n_gpus=3" in capsys.readouterr().err
