@@ -66,6 +66,7 @@ class DlrmSearchConfig:
     tau_end: float = 0.05
     temperature: float = 1e-2  # softness of the maxima over ranks during descent
     memory_weight: float = 10.0
+    commit_weight: float = 0.1  # entropy weight at the last step (ramped; every other start)
     samples: int = 8  # plans drawn from each start's final probabilities when rounding
     sample_tau: float = 1.0  # their softmax temperature
     walkers: int = 8
@@ -162,28 +163,46 @@ def relaxed_plan(logits, tau) -> ShardingPlan:
     return ShardingPlan(jax.nn.softmax(type_logits / tau), jax.nn.softmax(rank_logits / tau))
 
 
-def objective(logits, problem: ShardingProblem, tau, temperature, memory_weight):
-    """``log(iteration time) + memory_weight * (excess + excess^2)`` of the relaxed plan, the
-    excess being the fullest rank's memory over capacity, relative (a smooth hinge)."""
-    out = dlrm_cost(problem, relaxed_plan(logits, tau), temperature)
+def objective(logits, problem: ShardingProblem, tau, temperature, memory_weight, commit):
+    """``log(iteration time) + memory_weight * (excess + excess^2) + commit * entropy`` of the
+    relaxed plan: the excess is the fullest rank's memory over capacity, relative (a smooth
+    hinge); the entropy is the mean over tables of the type and placement distributions'.
+
+    Without the entropy term a table spread over all ranks by its placement probabilities
+    balances the load perfectly at no communication cost, which no discrete plan can do; the
+    term, ramped in, makes each table commit to one rank and one type while it descends.
+    """
+    plan = relaxed_plan(logits, tau)
+    out = dlrm_cost(problem, plan, temperature)
     over = out.memory_peak_bytes / out.memory_capacity_bytes - 1.0
     excess = smooth.smooth_relu(over, 1.0, temperature)
-    return jnp.log(out.iteration_s) + memory_weight * (excess + excess**2)
+    entropy = jnp.mean(_entropy(plan.types) + _entropy(plan.ranks))
+    return jnp.log(out.iteration_s) + memory_weight * (excess + excess**2) + commit * entropy
+
+
+def _entropy(p):
+    """Entropy of each row of probabilities ``p [T, n]`` (nats), finite at zeros."""
+    return -jnp.sum(p * smooth.safe_log(p), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _descend(problem: ShardingProblem, starts, cfg: DlrmSearchConfig):
     taus = descent.geometric(cfg.tau_start, cfg.tau_end, cfg.steps)
+    ramp = descent.ramp(cfg.steps)
     opt = descent.adam(cfg.learning_rate, cfg.steps)
 
-    def loss(x, tau):
-        return objective(x, problem, tau, cfg.temperature, cfg.memory_weight)
+    def one(x0, commit):
+        def loss(x, tau, c):
+            return objective(x, problem, tau, cfg.temperature, cfg.memory_weight, c)
 
-    def one(x0):
-        x, values = descent.descend(loss, x0, opt, (taus,), finite_only=True)
+        x, values = descent.descend(loss, x0, opt, (taus, commit * ramp), finite_only=True)
         return x, values[-1]
 
-    return jax.vmap(one)(starts)
+    # every other start descends without the entropy term: both kinds find plans the other
+    # misses (small problems gain from committing, large ones from balancing first)
+    n = starts[0].shape[0]
+    commits = cfg.commit_weight * (jnp.arange(n) % 2).astype(starts[0].dtype)
+    return jax.vmap(one)(starts, commits)
 
 
 def random_starts(key, n: int, n_tables: int, n_ranks: int, dtype, bias: float = 2.0):
@@ -234,10 +253,19 @@ def table_moves(plan: tuple[TableChoice, ...], t: int, problem: ShardingProblem)
 
 
 def neighbours(plan: tuple[TableChoice, ...], problem: ShardingProblem) -> list[tuple]:
-    """Plans one table away (``table_moves``)."""
+    """Plans one table away (``table_moves``), and plans where two tables swap their placement
+    ranks (each keeping its type: a move that keeps the ranks' loads packed)."""
+    lay = problem.layout
     out = []
     for t in range(len(plan)):
         out += [plan[:t] + (m,) + plan[t + 1 :] for m in table_moves(plan, t, problem)]
+    for a, b in itertools.combinations(range(len(plan)), 2):
+        ca, cb = plan[a], plan[b]
+        swapped = (canonical(ca.kind, cb.rank, lay), canonical(cb.kind, ca.rank, lay))
+        if swapped != (ca, cb) and swapped != (cb, ca):
+            p = list(plan)
+            p[a], p[b] = swapped
+            out.append(tuple(p))
     return out
 
 
