@@ -6,16 +6,18 @@
 1. **Relaxed descent.** Each table's type is a softmax over ``SHARDING_TYPES`` and its
    placement a softmax over the ranks, both at a temperature annealed from ``tau_start`` to
    ``tau_end``; the objective is ``log(iteration time)`` (the maxima over ranks smoothed at
-   ``temperature``) plus a smooth penalty on the relative memory excess of the fullest rank.
-   Many random starts descend at once (``jax.vmap`` over ``descent.descend``: optax Adam under
-   one ``lax.scan``), in one jit-compiled call.
-2. **Rounding.** Each start's most probable type and rank per table (canonicalized:
-   ``dlrm_cost.canonical``), evaluated exactly (temperature 0).
+   ``temperature``) plus a smooth penalty on the relative memory excess of the fullest rank,
+   and on every other start a ramped entropy term that makes each table commit to one type
+   and one rank (``objective``). Many random starts descend at once (``jax.vmap`` over
+   ``descent.descend``: optax Adam under one ``lax.scan``), in one jit-compiled call.
+2. **Rounding.** Each start's most probable type and rank per table, and ``samples`` plans
+   drawn from its probabilities (canonicalized: ``dlrm_cost.canonical``), evaluated exactly
+   (temperature 0).
 3. **Polish.** A discrete local search from the best rounded plans: every plan that changes
-   one table's choice (another type at its rank, or its type at another rank) is evaluated in
-   one batch, and each walker moves to its best neighbour while that improves; where no
-   single move improves and the problem is small enough (at most ``pair_limit`` of them),
-   moves of two tables at once are tried as well.
+   one table's choice (another type at its rank, or its type at another rank) or swaps two
+   tables' placement ranks is evaluated in one batch, and each walker moves to its best
+   neighbour while that improves; where no single move improves and the problem is small
+   enough (at most ``pair_limit`` of them), moves of two tables at once are tried as well.
 
 Plans that do not fit in memory rank after every plan that fits (by peak memory among
 themselves). Two baselines: ``greedy`` (TorchRec-planner-like: tables sorted by cost, each

@@ -56,10 +56,18 @@ def test_batched_evaluation_equals_one_by_one(tiny):
         assert s.iteration_s == pytest.approx(float(out.iteration_s), rel=1e-12)
 
 
-def test_neighbours_move_one_table(tiny):
+def test_neighbours_move_one_table_or_swap_two(tiny):
     plan = (TableChoice(TW, 0), TableChoice(TW, 1), TableChoice(RW, 0))
-    for other in neighbours(plan, tiny):
-        assert sum(a != b for a, b in zip(plan, other)) == 1
+    moved = neighbours(plan, tiny)
+    assert len(moved) == len(set(moved)) and plan not in moved
+    for other in moved:
+        changed = [t for t, (a, b) in enumerate(zip(plan, other)) if a != b]
+        assert len(changed) in (1, 2)
+        if len(changed) == 2:  # a swap: types kept, ranks exchanged
+            a, b = changed
+            assert [other[a].kind, other[b].kind] == [plan[a].kind, plan[b].kind]
+    swap = (TableChoice(TW, 1), TableChoice(TW, 0), TableChoice(RW, 0))
+    assert swap in moved
 
 
 def test_bad_settings_are_refused(tiny):
