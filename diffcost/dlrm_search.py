@@ -123,7 +123,7 @@ def _evaluate_batch(problem: ShardingProblem, kinds, ranks):
     dtype = problem.model.batch.dtype
     types = jax.nn.one_hot(kinds, len(SHARDING_TYPES), dtype=dtype)
     places = jax.nn.one_hot(ranks, problem.layout.n_ranks, dtype=dtype)
-    places = places * (kinds >= 0)[..., None]
+    places = places * (kinds >= 0)[..., None].astype(dtype)
     out = jax.vmap(lambda t, r: dlrm_cost(problem, ShardingPlan(t, r), 0.0))(types, places)
     return out.iteration_s, out.memory_peak_bytes, out.memory_capacity_bytes
 
@@ -264,11 +264,11 @@ def neighbours(plan: tuple[TableChoice, ...], problem: ShardingProblem) -> list[
     for a, b in itertools.combinations(range(len(plan)), 2):
         ca, cb = plan[a], plan[b]
         swapped = (canonical(ca.kind, cb.rank, lay), canonical(cb.kind, ca.rank, lay))
-        if swapped != (ca, cb) and swapped != (cb, ca):
+        if swapped != (ca, cb):
             p = list(plan)
             p[a], p[b] = swapped
             out.append(tuple(p))
-    return out
+    return list(dict.fromkeys(out))  # a swap with a rank-free type can repeat a single move
 
 
 def pair_neighbours(plan: tuple[TableChoice, ...], problem: ShardingProblem, limit: int):
