@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 from flax import struct
 
-from diffcost import config
+from diffcost import config, smooth
 from diffcost.gpus import gpu_family
 from diffcost.spec_values import ConfigError, check_choice, check_int, invalid
 from diffcost.specs import PRECISIONS, ClusterSpec
@@ -402,5 +402,5 @@ def cache_hit_rate(rows, row_bytes, zipf, l2_bytes):
     Returns:
         Hit rate in [0, 1], shaped like the broadcast inputs.
     """
-    cached = jnp.minimum(l2_bytes / row_bytes, rows)
-    return jnp.clip(_harmonic(cached, zipf) / _harmonic(rows, zipf), 0.0, 1.0)
+    cached = smooth.clip_exact(l2_bytes / row_bytes, 0.0, rows)  # exact: a table fits or not
+    return smooth.clip_exact(_harmonic(cached, zipf) / _harmonic(rows, zipf), 0.0, 1.0)
