@@ -1,0 +1,106 @@
+"""``diffcost shard-embeddings``: an embedding-table sharding plan for a DLRM, by gradient search.
+
+Loads a DLRM (``configs/dlrm`` preset or YAML path) and a cluster, runs
+``diffcost.dlrm_search.search`` and the greedy planner, and prints the plan found (one row per
+table), its iteration time and parts, and the greedy plan's time; ``--json`` prints one object.
+Exit code 1 when no plan fits in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax.numpy as jnp
+
+from diffcost import config
+from diffcost.arrays import GiB
+from diffcost.cli import common
+from diffcost.dlrm import DlrmSpec, load_dlrm
+from diffcost.dlrm_cost import dlrm_cost, make_problem, one_hot_plan
+from diffcost.dlrm_search import DlrmSearchConfig, Scored, greedy, search
+from diffcost.profiles import params_for
+
+PARTS = ("lookup_fwd_s", "comm_s", "dense_s", "lookup_bwd_s", "all_reduce_s")
+
+
+def register(subparsers) -> None:
+    """Add ``shard-embeddings`` to the ``diffcost`` subcommands."""
+    s = subparsers.add_parser(
+        "shard-embeddings", help="shard a DLRM's embedding tables (gradient search)"
+    )
+    s.add_argument("model", metavar="MODEL", help="DLRM preset (dlrm-dcnv2) or YAML path")
+    s.add_argument("--cluster", required=True, help="cluster preset or YAML path")
+    s.add_argument("--gpus", type=int, required=True, help="GPU count")
+    s.add_argument("--batch", type=int, help="global batch (overrides the model's)")
+    s.add_argument("--starts", type=int, default=32, help="relaxed starts descending at once")
+    s.add_argument("--steps", type=int, default=200, help="optimizer steps per start")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random starts")
+    common.add_profile_argument(s)
+    common.add_json_argument(s)
+    s.set_defaults(func=run)
+
+
+def plan_dict(spec: DlrmSpec, problem, found: Scored) -> dict:
+    """Plain values of one plan: per-table choices, time parts and memory."""
+    out = dlrm_cost(problem, one_hot_plan(found.choices, problem.layout), 0.0)
+    return {
+        "iteration_s": found.iteration_s,
+        "fits": found.fits,
+        "parts": {k: float(getattr(out, k)) for k in PARTS},
+        "memory_peak_bytes": found.memory_peak_bytes,
+        "memory_capacity_bytes": float(out.memory_capacity_bytes),
+        "tables": [
+            {"name": t.name, "rows": t.rows, "pooling": t.pooling, "zipf": t.zipf, "plan": str(c)}
+            for t, c in zip(spec.tables, found.choices)
+        ],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; 0 when the plan found fits, 1 otherwise."""
+    common.check_at_least("--gpus", args.gpus, 1)
+    spec = load_dlrm(args.model, {"batch_size": args.batch} if args.batch else None)
+    cluster = config.load_cluster(args.cluster)
+    params, note = params_for(cluster, args.profile, jnp.result_type(float))
+    problem = make_problem(spec, cluster, args.gpus, params)
+    cfg = DlrmSearchConfig(starts=args.starts, steps=args.steps, seed=args.seed)
+    result = search(problem, cfg)
+    baseline = greedy(problem)
+    out = {
+        "model": spec.name,
+        "cluster": cluster.name,
+        "n_gpus": args.gpus,
+        "batch": spec.batch_size,
+        "profile": note,
+        "search_seconds": result.seconds,
+        "evaluated": result.evaluated,
+        "best": plan_dict(spec, problem, result.best),
+        "greedy": plan_dict(spec, problem, baseline),
+    }
+    if args.json:
+        common.print_json(out)
+    else:
+        _print(out)
+    return 0 if result.best.fits else 1
+
+
+def _print(out: dict) -> None:
+    best, base = out["best"], out["greedy"]
+    rows = [
+        (t["name"], f"{t['rows']:,}", f"{t['pooling']:g}", f"{t['zipf']:g}", t["plan"], g["plan"])
+        for t, g in zip(best["tables"], base["tables"])
+    ]
+    common.print_table(
+        f"{out['model']} on {out['n_gpus']} GPUs of {out['cluster']}, batch {out['batch']}",
+        ("table", "rows", "pooling", "zipf", "plan", "greedy"),
+        rows,
+        right=("rows", "pooling", "zipf"),
+    )
+    parts = ", ".join(f"{k[:-2]} {1e3 * v:.3f}" for k, v in best["parts"].items())
+    print(
+        f"iteration {1e3 * best['iteration_s']:.3f} ms ({parts} ms); greedy "
+        f"{1e3 * base['iteration_s']:.3f} ms; peak memory {best['memory_peak_bytes'] / GiB:.1f} "
+        f"of {best['memory_capacity_bytes'] / GiB:.0f} GiB"
+        + ("" if best["fits"] else " (does NOT fit)")
+    )
+    print(f"{out['evaluated']} plans evaluated in {out['search_seconds']:.1f} s; {out['profile']}")
