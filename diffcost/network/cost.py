@@ -37,7 +37,7 @@ from flax import struct
 
 from diffcost import smooth
 from diffcost.network import collectives as netcoll
-from diffcost.network.graph import Topology
+from diffcost.network.graph import Topology, without_transit
 from diffcost.network.routing import distances, route
 from diffcost.params import Params
 from diffcost.specs import PlanSpec
@@ -45,6 +45,9 @@ from diffcost.specs import PlanSpec
 NVLINK_KINDS = ("gpu", "nvswitch")  # a link between two of these is NVLink; others network
 TRAFFIC = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0}
 REDUCES = ("all_reduce", "reduce_scatter")
+# NCCL's pipelined trees reach about 2/3 of the bandwidth their link loads allow, the factor
+# ``diffcost.comm`` applies to its tree (its chunks wait on the reduction up the tree).
+TREE_BW_PENALTY = 1.5
 MAX_CYCLE_SEARCH = 8  # groups up to this size search Hamiltonian cycle packings
 _ZERO_BYTES = 1.0
 
@@ -145,10 +148,11 @@ def ring_channels(topology: Topology, group) -> list[tuple[np.ndarray, np.ndarra
 
     * across domains holding ``k`` ranks each: ``k`` rings, ring ``c`` visiting each domain's
       ranks rotated by ``c`` so that it leaves every domain through a different GPU;
-    * in one domain on direct links where pairs are not all equally far: the most Hamiltonian
-      cycles the link counts carry, each in both directions;
-    * otherwise in one domain (behind a switch, a full mesh, no Hamiltonian cycle) the
-      ``n - 1`` rotations ``i -> i + s``: every pair once, routed with ECMP;
+    * in one domain, of these the one that loads its busiest link least (as
+      ``collectives.ring_bandwidth_Bps`` chooses): where every pair is equally far (behind a
+      switch, a full mesh) the ``n - 1`` rotations ``i -> i + s`` (every pair once, routed
+      with ECMP); on direct GPU links the most Hamiltonian cycles the link counts carry, each
+      in both directions; the rotations where neither applies;
     * across domains of unequal size, the ring in rank order.
     """
     group = np.asarray(group, dtype=int)
@@ -162,15 +166,31 @@ def ring_channels(topology: Topology, group) -> list[tuple[np.ndarray, np.ndarra
         return [(s, d, 1.0 / k) for s, d in rings]
     if len(labels) > 1:
         return [(*_ring(group), 1.0)]
-    if n > 2 and n <= MAX_CYCLE_SEARCH and not _equidistant(topology, group):
+    rotations = [(group, np.roll(group, -s), 1.0 / (n - 1)) for s in range(1, n)]
+    candidates = [rotations] if n < 3 or _equidistant(topology, group) else []
+    if 3 <= n <= MAX_CYCLE_SEARCH and not _switched(topology):
         cycles = _cycle_packing(topology.link_matrix(topology.endpoints[group]))
-        out = []
+        packed = []
         for order in cycles:
             src, dst = _ring(group[list(order)])
-            out += [(src, dst, 0.5 / len(cycles)), (dst, src, 0.5 / len(cycles))]
-        if out:
-            return out
-    return [(group, np.roll(group, -s), 1.0 / (n - 1)) for s in range(1, n)]
+            packed += [(src, dst, 0.5 / len(cycles)), (dst, src, 0.5 / len(cycles))]
+        candidates += [packed] if packed else []
+    if not candidates:
+        return rotations
+    return min(candidates, key=lambda c: _busiest(topology, c))
+
+
+def _switched(topology: Topology) -> bool:
+    """Whether the GPUs reach each other through switches only (no direct GPU links)."""
+    gpu = np.array([k == "gpu" for k in topology.kinds])
+    return not (gpu[topology.src] & gpu[topology.dst]).any()
+
+
+def _busiest(topology: Topology, channels) -> float:
+    """Largest load over capacity of a channel set's routed flows (s per byte of a step)."""
+    routes = route(topology, *(np.concatenate([c[i] for c in channels]) for i in (0, 1)))
+    weights = np.concatenate([np.full(len(c[0]), c[2]) for c in channels])
+    return float(np.max(weights @ routes.incidence / routes.capacity_Bps))
 
 
 def _routed(topology, src, dst, frac, steps, latency_steps) -> Phase:
@@ -198,15 +218,18 @@ def _pairwise_phases(topology, groups, collective) -> list[Phase]:
 
 def _flow_phases(topology, groups, collective, algorithm) -> list[Phase]:
     """Phases of ``diffcost.network.collectives`` (tree, hierarchical, torus); the tree's
-    pipelined single step pays ``2 log2 n`` latencies (up and down its depth)."""
+    pipelined single step pays ``2 log2 n`` latencies (up and down its depth) and moves
+    ``TREE_BW_PENALTY`` times its share."""
     size, n_groups = groups.shape[1], groups.shape[0]
     layout = netcoll.place_ranks(topology, PlanSpec(tp=size, dp=n_groups))
     flows = netcoll.collective_flows(topology, layout, "tp", collective, algorithm)
     out = []
+    tree = algorithm == "tree"
     for p, steps in enumerate(flows.steps):
         rows = flows.phase == p
-        lat = 2.0 * np.log2(size) if algorithm == "tree" else steps
-        out.append(Phase(flows.routes.incidence[rows], flows.msg_frac[rows], float(steps), lat))
+        lat = 2.0 * np.log2(size) if tree else steps
+        frac = flows.msg_frac[rows] * (TREE_BW_PENALTY if tree else 1.0)
+        out.append(Phase(flows.routes.incidence[rows], frac, float(steps), lat))
     return out
 
 
@@ -230,7 +253,8 @@ def collective_pricing(
     topology: Topology, collective: str, group_size: int, n_groups: int = 1, algorithms=None
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
-    consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit).
+    consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
+    without a rank relay nothing (NCCL does not route through GPUs outside the communicator).
 
     Args:
         topology: the graph.
@@ -252,6 +276,9 @@ def collective_pricing(
             f"{len(topology.endpoints)} endpoints"
         )
     groups = np.arange(group_size * n_groups).reshape(n_groups, group_size)
+    idle = topology.endpoints[group_size * n_groups :]
+    link_ids = np.flatnonzero(~(np.isin(topology.src, idle) | np.isin(topology.dst, idle)))
+    full, topology = topology, without_transit(topology, idle)
     chosen = algorithms or default_algorithms(topology, collective)
     phases = {}
     for name in chosen:
@@ -260,7 +287,7 @@ def collective_pricing(
         except ValueError:
             if algorithms is not None:
                 raise
-    return _stack(topology, phases, group_size, collective)
+    return _stack(full, link_ids, phases, group_size, collective)
 
 
 def _phases(topology, groups, collective, name) -> list[Phase]:
@@ -273,8 +300,9 @@ def _phases(topology, groups, collective, name) -> list[Phase]:
     raise ValueError(f"algorithm={name!r}: expected ring, tree, hierarchical, torus or pairwise")
 
 
-def _stack(topology, phases: dict, group_size, collective) -> CollectivePricing:
-    used = np.zeros(topology.n_links, dtype=bool)
+def _stack(topology, link_ids, phases: dict, group_size, collective) -> CollectivePricing:
+    """Pad and stack the phases; ``link_ids`` maps the routed links to ``topology``'s."""
+    used = np.zeros(len(link_ids), dtype=bool)
     for plist in phases.values():
         for ph in plist:
             used |= (ph.incidence > 0).any(axis=0)
@@ -290,6 +318,7 @@ def _stack(topology, phases: dict, group_size, collective) -> CollectivePricing:
         steps = np.array([ph.steps for ph in plist])
         lat = np.array([ph.latency_steps for ph in plist])
         algs.append(AlgorithmArrays(*(jnp.asarray(a) for a in (inc, frac, steps, lat))))
+    links = link_ids[links]
     return CollectivePricing(
         links=jnp.asarray(links),
         nvlink=jnp.asarray(link_classes(topology)[links]),
