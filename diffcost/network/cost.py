@@ -315,8 +315,8 @@ def _stack(topology, link_ids, phases: dict, group_size, collective) -> Collecti
         for p, ph in enumerate(plist):
             inc[p, : len(ph.frac)] = ph.incidence[:, links]
             frac[p, : len(ph.frac)] = ph.frac
-        steps = np.array([ph.steps for ph in plist])
-        lat = np.array([ph.latency_steps for ph in plist])
+        steps = np.array([ph.steps for ph in plist], dtype=float)
+        lat = np.array([ph.latency_steps for ph in plist], dtype=float)
         algs.append(AlgorithmArrays(*(jnp.asarray(a) for a in (inc, frac, steps, lat))))
     links = link_ids[links]
     return CollectivePricing(
