@@ -168,8 +168,10 @@ def ring_channels(topology: Topology, group) -> list[tuple[np.ndarray, np.ndarra
         return [(*_ring(group), 1.0)]
     rotations = [(group, np.roll(group, -s), 1.0 / (n - 1)) for s in range(1, n)]
     candidates = [rotations] if n < 3 or _equidistant(topology, group) else []
-    if 3 <= n <= MAX_CYCLE_SEARCH and not _switched(topology):
-        cycles = _cycle_packing(topology.link_matrix(topology.endpoints[group]))
+    links = topology.link_matrix(topology.endpoints[group])
+    uniform = len(np.unique(links[~np.eye(n, dtype=bool)])) == 1  # rotations use all equally
+    if 3 <= n <= MAX_CYCLE_SEARCH and not _switched(topology) and not uniform:
+        cycles = _cycle_packing(links)
         packed = []
         for order in cycles:
             src, dst = _ring(group[list(order)])
