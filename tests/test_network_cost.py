@@ -48,7 +48,8 @@ def test_hierarchical_all_reduce_across_nodes_is_nic_bound():
     pricing = cost.collective_pricing(topo, "all_reduce", 16, algorithms=("hierarchical",))
     msg = 1024 * MiB
     cap = np.asarray(topo.capacity_Bps)
-    got = cost.collective_time_s(pricing, msg, cap, params, temperature=0.0)
+    args = dict(temperature=0.0, pipelined=False)
+    got = cost.collective_time_s(pricing, msg, cap, params, **args)
     k, m = 8, 2
     step = msg + float(params.half_bw_bytes) * msg / (msg + 1.0)
     nvl = cluster.nvlink_GBps * 1e9 / 2 * float(params.nvlink_eff)
@@ -63,13 +64,18 @@ def test_hierarchical_all_reduce_across_nodes_is_nic_bound():
     # doubling every NVLink link halves the intra-domain phases only
     network = cost.link_classes(topo) == 0.0
     faster_nic = cost.collective_time_s(
-        pricing, msg, np.where(network, 2 * cap, cap), params, temperature=0.0
+        pricing, msg, np.where(network, 2 * cap, cap), params, **args
     )
     assert float(got - faster_nic) == pytest.approx(inter_band / 2, rel=1e-9)
     faster_nvl = cost.collective_time_s(
-        pricing, msg, np.where(network, cap, 2 * cap), params, temperature=0.0
+        pricing, msg, np.where(network, cap, 2 * cap), params, **args
     )
     assert float(got - faster_nvl) == pytest.approx(2 * (k - 1) * step / k / nvl / 2, rel=1e-9)
+    # pipelined, the NVLink and NIC phases overlap: the busier of the two bounds the time
+    piped = cost.collective_time_s(pricing, msg, cap, params, temperature=0.0)
+    intra_band = 2 * (k - 1) * step / k / nvl
+    latencies = 2 * (k - 1) * nvl_lat + 2 * (m - 1) * nic_lat + _overheads(params, msg, 2.0)
+    assert float(piped) == pytest.approx(max(intra_band, inter_band) + latencies, rel=1e-9)
 
 
 def test_from_cluster_paths_sum_to_the_cluster_latencies():

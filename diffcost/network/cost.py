@@ -353,17 +353,25 @@ def _present(msg_bytes):
     return msg_bytes / (msg_bytes + _ZERO_BYTES)
 
 
-def _algorithm_s(alg: AlgorithmArrays, msg_bytes, capacity, latency, params, temperature, fn):
+def _algorithm_s(
+    alg: AlgorithmArrays, msg_bytes, capacity, latency, params, temperature, fn, pipelined
+):
     step_bytes = msg_bytes + params.half_bw_bytes * _present(msg_bytes)
 
     def phase(incidence, frac, steps, latency_steps):
         t = fn(incidence, capacity, frac * step_bytes, temperature)
         path = jnp.where(frac > 0, incidence @ latency, 0.0)
         hop = smooth.smooth_max(path, temperature=temperature)
-        return steps * t + latency_steps * hop * _present(msg_bytes)
+        return steps * t, latency_steps * hop * _present(msg_bytes)
 
-    times = jax.vmap(phase)(alg.incidence, alg.frac, alg.steps, alg.latency_steps)
-    return jnp.sum(times)
+    band, lat = jax.vmap(phase)(alg.incidence, alg.frac, alg.steps, alg.latency_steps)
+    if pipelined and alg.incidence.shape[0] > 1:
+        # chunks stream through the phases: each link carries its bytes of all phases
+        n_phases, n_flows, n_links = alg.incidence.shape
+        flow_bytes = (alg.steps[:, None] * alg.frac * step_bytes).reshape(-1)
+        incidence = alg.incidence.reshape(n_phases * n_flows, n_links)
+        return fn(incidence, capacity, flow_bytes, temperature) + jnp.sum(lat)
+    return jnp.sum(band) + jnp.sum(lat)
 
 
 def _effective_links(pricing: CollectivePricing, capacity_Bps, params: Params):
@@ -383,6 +391,7 @@ def collective_time_s(
     params: Params,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
     link_time: LinkTimeFn = most_loaded_link_s,
+    pipelined: bool = True,
 ):
     """Seconds of one collective of a ``msg_bytes`` buffer (scalar; ``jax.vmap`` for many).
 
@@ -396,10 +405,14 @@ def collective_time_s(
         temperature: softness of the smooth maxima and of the minimum over algorithms.
         link_time: ``(incidence [F, L], capacity [L], flow_bytes [F], temperature) -> s``
             of one step; the default is the most loaded link.
+        pipelined: phases stream chunk by chunk (NCCL's pipelined algorithms), so an
+            algorithm's bandwidth time is ``link_time`` of the bytes of all its phases at once
+            (a link used by two phases carries both; links of different phases overlap);
+            False: the phases' times add.
     """
     capacity, latency = _effective_links(pricing, capacity_Bps, params)
     times = [
-        _algorithm_s(alg, msg_bytes, capacity, latency, params, temperature, link_time)
+        _algorithm_s(alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
         for alg in pricing.algorithms
     ]
     best = times[0]
@@ -416,7 +429,7 @@ def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0)
     capacity, latency = _effective_links(pricing, capacity_Bps, params)
     return {
         name: _algorithm_s(
-            alg, msg_bytes, capacity, latency, params, temperature, most_loaded_link_s
+            alg, msg_bytes, capacity, latency, params, temperature, most_loaded_link_s, True
         )
         for name, alg in zip(pricing.names, pricing.algorithms)
     }
