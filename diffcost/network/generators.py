@@ -384,10 +384,11 @@ def from_cluster(cluster: ClusterSpec, nodes: int) -> Topology:
     Each node is ``node_domain(cluster)`` with ``nics_per_node`` NICs of ``nic_Gbps``; the
     NICs of a node share a leaf whose uplink to one spine carries their bandwidth divided by
     ``oversubscription`` (the cost model divides every inter-node transfer by it). The NIC
-    latency is split over the two NIC-to-leaf hops of an inter-node path.
+    latency is split over the four fabric hops of an inter-node path (NIC, leaf, spine, leaf,
+    NIC), so that the path sums to ``nic_latency_us``.
     """
     nodes = _positive("nodes", nodes)
-    nic = LinkSpec(cluster.nic_Gbps * 1e9 / 8.0, cluster.nic_latency_us * 1e-6 / 2.0)
+    nic = LinkSpec(cluster.nic_Gbps * 1e9 / 8.0, cluster.nic_latency_us * 1e-6 / 4.0)
     fabric = leaf_spine(nodes, cluster.nics_per_node, nic, cluster.oversubscription)
     graph = hierarchical(node_domain(cluster), nodes, fabric, LinkSpec(nic.bandwidth_Bps))
     return renamed(graph, f"{cluster.name} x {nodes}")

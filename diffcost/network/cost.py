@@ -1,0 +1,435 @@
+"""Time of one collective on a graph, in JAX: link loads of each algorithm's phases, priced.
+
+``collective_pricing`` (numpy, outside jit) turns a collective over groups of ranks on a
+``Topology`` into fixed-shape arrays per algorithm: per phase, the ``(flows, links)`` incidence
+of its routed flows, each flow's share of the buffer per step, the phase's steps and its
+latency steps. ``collective_time_s`` (JAX, jit- and vmap-able, differentiable with respect to
+the link capacities and the calibrated ``Params``) prices them:
+
+* a flow of a step moves ``frac * (msg_bytes + half_bw_bytes)`` bytes (the small-message curve
+  of ``diffcost.comm``); a phase step takes ``link_time(incidence, capacity, flow_bytes)``,
+  by default the most loaded link: ``max_l (sum_f bytes_f * incidence[f, l]) / capacity_l``,
+  each link's capacity times ``nvlink_eff`` (links between GPUs and NVSwitches) or ``nic_eff``
+  (links touching a NIC or a fabric switch). A max-min fair sharing function with the same
+  signature can replace it;
+* each latency step adds the largest path latency of the phase's flows, the links' latencies
+  scaled by ``nvlink_latency_scale`` or ``nic_latency_scale`` as their class;
+* NCCL's choice is a smooth minimum over the algorithms (``diffcost.smooth``); a reducing
+  collective adds the GPU's pass over the buffer (``reduce_Bps``) and every call
+  ``collective_overhead_s``, as ``diffcost.comm.collective_s`` does.
+
+Rings run as NCCL's channels do (``ring_channels``): behind a switch or on a full mesh the
+``n - 1`` rotations (every pair once), on direct GPU links of one bandwidth a packing of
+Hamiltonian cycles in both directions, across domains one ring per local rank, each leaving its
+domain through a different GPU (and so a different NIC, as rails).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from diffcost import smooth
+from diffcost.network import collectives as netcoll
+from diffcost.network.graph import Topology, without_transit
+from diffcost.network.routing import distances, route
+from diffcost.params import Params
+from diffcost.specs import PlanSpec
+
+NVLINK_KINDS = ("gpu", "nvswitch")  # a link between two of these is NVLink; others network
+TRAFFIC = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0}
+REDUCES = ("all_reduce", "reduce_scatter")
+# NCCL's pipelined trees reach about 2/3 of the bandwidth their link loads allow, the factor
+# ``diffcost.comm`` applies to its tree (its chunks wait on the reduction up the tree).
+TREE_BW_PENALTY = 1.5
+MAX_CYCLE_SEARCH = 8  # groups up to this size search Hamiltonian cycle packings
+_ZERO_BYTES = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase of an algorithm (numpy): concurrent flows, each moving ``frac`` of the buffer
+    in each of ``steps`` steps, and ``latency_steps`` path latencies paid in the phase."""
+
+    incidence: np.ndarray
+    frac: np.ndarray
+    steps: float
+    latency_steps: float
+
+
+@struct.dataclass
+class AlgorithmArrays:
+    """An algorithm's phases padded to one shape: ``incidence [P, F, L]`` on the pricing's
+    links, ``frac [P, F]`` (0 on padding), ``steps`` and ``latency_steps`` ``[P]``."""
+
+    incidence: jax.Array
+    frac: jax.Array
+    steps: jax.Array
+    latency_steps: jax.Array
+
+
+@struct.dataclass
+class CollectivePricing:
+    """Everything shape-related about one collective on a topology, fixed outside jit.
+
+    Attributes:
+        links: ``[L]`` ids of the topology's links some algorithm uses.
+        nvlink: ``[L]`` 1.0 for an NVLink link, 0.0 for a network one.
+        latency_s: ``[L]`` the links' latencies as the topology gives them.
+        group_size: ranks per group.
+        algorithms: one ``AlgorithmArrays`` per name in ``names``.
+        names, collective: static.
+    """
+
+    links: jax.Array
+    nvlink: jax.Array
+    latency_s: jax.Array
+    group_size: float
+    algorithms: tuple
+    names: tuple = struct.field(pytree_node=False, default=())
+    collective: str = struct.field(pytree_node=False, default="all_reduce")
+
+
+# --- flows of each algorithm (numpy) ------------------------------------------------------------
+
+
+def _ring(order) -> tuple[np.ndarray, np.ndarray]:
+    order = np.asarray(order)
+    return order, np.roll(order, -1)
+
+
+def _equidistant(topology: Topology, group: np.ndarray) -> bool:
+    hops = np.round(distances(topology)[np.ix_(group, topology.endpoints[group])], 6)
+    return len(np.unique(hops[~np.eye(len(group), dtype=bool)])) == 1
+
+
+def _cycle_packing(links: np.ndarray) -> list[tuple]:
+    """Most Hamiltonian cycles (vertex orders, repeats allowed) that fit the link counts
+    together, each using one link of a pair in both directions (exhaustive search)."""
+    n = len(links)
+    cycles = []
+    for rest in itertools.permutations(range(1, n)):
+        order = (0, *rest)
+        edges = [(order[i], order[(i + 1) % n]) for i in range(n)]
+        if rest[0] < rest[-1] and all(links[a, b] > 0 for a, b in edges):
+            cycles.append((order, edges))
+    left, best, chosen = links.copy(), [], []
+
+    def grow(start):
+        nonlocal best
+        if len(chosen) > len(best):
+            best = list(chosen)
+        for j in range(start, len(cycles)):
+            order, edges = cycles[j]
+            if all(left[a, b] > 0 for a, b in edges):
+                for a, b in edges:
+                    left[a, b] -= 1
+                    left[b, a] -= 1
+                chosen.append(order)
+                grow(j)
+                chosen.pop()
+                for a, b in edges:
+                    left[a, b] += 1
+                    left[b, a] += 1
+
+    grow(0)
+    return best
+
+
+def ring_channels(topology: Topology, group) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """``(src, dst, weight)`` of the rings NCCL runs over ``group`` (endpoint indices); the
+    weights sum to 1 (each ring carries that share of every step).
+
+    * across domains holding ``k`` ranks each: ``k`` rings, ring ``c`` visiting each domain's
+      ranks rotated by ``c`` so that it leaves every domain through a different GPU;
+    * in one domain, of these the one that loads its busiest link least (as
+      ``collectives.ring_bandwidth_Bps`` chooses): where every pair is equally far (behind a
+      switch, a full mesh) the ``n - 1`` rotations ``i -> i + s`` (every pair once, routed
+      with ECMP); on direct GPU links the most Hamiltonian cycles the link counts carry, each
+      in both directions; the rotations where neither applies;
+    * across domains of unequal size, the ring in rank order.
+    """
+    group = np.asarray(group, dtype=int)
+    n = len(group)
+    domains = topology.domain[group]
+    labels, counts = np.unique(domains, return_counts=True)
+    if len(labels) > 1 and len(set(counts)) == 1:
+        local = np.stack([group[domains == d] for d in labels])
+        k = local.shape[1]
+        rings = [_ring(np.concatenate([np.roll(row, -c) for row in local])) for c in range(k)]
+        return [(s, d, 1.0 / k) for s, d in rings]
+    if len(labels) > 1:
+        return [(*_ring(group), 1.0)]
+    rotations = [(group, np.roll(group, -s), 1.0 / (n - 1)) for s in range(1, n)]
+    candidates = [rotations] if n < 3 or _equidistant(topology, group) else []
+    links = topology.link_matrix(topology.endpoints[group])
+    uniform = len(np.unique(links[~np.eye(n, dtype=bool)])) == 1  # rotations use all equally
+    if 3 <= n <= MAX_CYCLE_SEARCH and not _switched(topology) and not uniform:
+        cycles = _cycle_packing(links)
+        packed = []
+        for order in cycles:
+            src, dst = _ring(group[list(order)])
+            packed += [(src, dst, 0.5 / len(cycles)), (dst, src, 0.5 / len(cycles))]
+        candidates += [packed] if packed else []
+    if not candidates:
+        return rotations
+    return min(candidates, key=lambda c: _busiest(topology, c))
+
+
+def _switched(topology: Topology) -> bool:
+    """Whether the GPUs reach each other through switches only (no direct GPU links)."""
+    gpu = np.array([k == "gpu" for k in topology.kinds])
+    return not (gpu[topology.src] & gpu[topology.dst]).any()
+
+
+def _busiest(topology: Topology, channels) -> float:
+    """Largest load over capacity of a channel set's routed flows (s per byte of a step)."""
+    routes = route(topology, *(np.concatenate([c[i] for c in channels]) for i in (0, 1)))
+    weights = np.concatenate([np.full(len(c[0]), c[2]) for c in channels])
+    return float(np.max(weights @ routes.incidence / routes.capacity_Bps))
+
+
+def _routed(topology, src, dst, frac, steps, latency_steps) -> Phase:
+    incidence = route(topology, np.concatenate(src), np.concatenate(dst)).incidence
+    return Phase(incidence, np.concatenate(frac), float(steps), float(latency_steps))
+
+
+def _ring_phases(topology, groups, collective) -> list[Phase]:
+    n = groups.shape[1]
+    chans = [c for g in groups for c in ring_channels(topology, g)]
+    src, dst = [c[0] for c in chans], [c[1] for c in chans]
+    frac = [np.full(len(c[0]), c[2] / n) for c in chans]
+    steps = netcoll.COLLECTIVE_STEPS[collective] * (n - 1)
+    return [_routed(topology, src, dst, frac, steps, steps)]
+
+
+def _pairwise_phases(topology, groups, collective) -> list[Phase]:
+    """All-to-all: every rank sends ``1 / n`` of its buffer to each other rank at once; the
+    ``n - 1`` sends of a rank pay one latency each."""
+    n = groups.shape[1]
+    pairs = [(g[i], g[j]) for g in groups for i in range(n) for j in range(n) if i != j]
+    src, dst = (np.array(x) for x in zip(*pairs))
+    return [_routed(topology, [src], [dst], [np.full(len(src), 1.0 / n)], 1, n - 1)]
+
+
+def _flow_phases(topology, groups, collective, algorithm) -> list[Phase]:
+    """Phases of ``diffcost.network.collectives`` (tree, hierarchical, torus); the tree's
+    pipelined single step pays ``2 log2 n`` latencies (up and down its depth) and moves
+    ``TREE_BW_PENALTY`` times its share."""
+    size, n_groups = groups.shape[1], groups.shape[0]
+    layout = netcoll.place_ranks(topology, PlanSpec(tp=size, dp=n_groups))
+    flows = netcoll.collective_flows(topology, layout, "tp", collective, algorithm)
+    out = []
+    tree = algorithm == "tree"
+    for p, steps in enumerate(flows.steps):
+        rows = flows.phase == p
+        lat = 2.0 * np.log2(size) if tree else steps
+        frac = flows.msg_frac[rows] * (TREE_BW_PENALTY if tree else 1.0)
+        out.append(Phase(flows.routes.incidence[rows], frac, float(steps), lat))
+    return out
+
+
+def default_algorithms(topology: Topology, collective: str) -> tuple[str, ...]:
+    """What NCCL chooses from: ring, tree and hierarchical for all-reduce, the ring for
+    all-gather and reduce-scatter, the torus rings where the topology has coordinates, and
+    pairwise sends for all-to-all."""
+    if collective == "all_to_all":
+        return ("pairwise",)
+    names = ("ring", "tree", "hierarchical") if collective == "all_reduce" else ("ring",)
+    return names + (("torus",) if topology.coords is not None else ())
+
+
+def link_classes(topology: Topology) -> np.ndarray:
+    """``[links]`` 1.0 where both ends are GPUs or NVSwitches (NVLink), else 0.0 (network)."""
+    fast = np.array([k in NVLINK_KINDS for k in topology.kinds])
+    return (fast[topology.src] & fast[topology.dst]).astype(float)
+
+
+def collective_pricing(
+    topology: Topology, collective: str, group_size: int, n_groups: int = 1, algorithms=None
+) -> CollectivePricing:
+    """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
+    consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
+    without a rank relay nothing (NCCL does not route through GPUs outside the communicator).
+
+    Args:
+        topology: the graph.
+        collective: a key of ``TRAFFIC``.
+        group_size, n_groups: the groups (all run concurrently).
+        algorithms: names to choose from; default ``default_algorithms``. With the default,
+            an algorithm the placement cannot run (hierarchical over uneven domains) is left out.
+
+    Raises:
+        ValueError: an unknown collective or algorithm, too few endpoints, or a group of one.
+    """
+    if collective not in TRAFFIC:
+        raise ValueError(f"collective={collective!r}: expected one of {', '.join(TRAFFIC)}")
+    if group_size < 2 or n_groups < 1:
+        raise ValueError(f"group_size={group_size}, n_groups={n_groups}: expected >= 2 and >= 1")
+    if group_size * n_groups > len(topology.endpoints):
+        raise ValueError(
+            f"{group_size} x {n_groups} ranks: {topology.name} has "
+            f"{len(topology.endpoints)} endpoints"
+        )
+    groups = np.arange(group_size * n_groups).reshape(n_groups, group_size)
+    idle = topology.endpoints[group_size * n_groups :]
+    link_ids = np.flatnonzero(~(np.isin(topology.src, idle) | np.isin(topology.dst, idle)))
+    full, topology = topology, without_transit(topology, idle)
+    chosen = algorithms or default_algorithms(topology, collective)
+    phases = {}
+    for name in chosen:
+        try:
+            phases[name] = _phases(topology, groups, collective, name)
+        except ValueError:
+            if algorithms is not None:
+                raise
+    return _stack(full, link_ids, phases, group_size, collective)
+
+
+def _phases(topology, groups, collective, name) -> list[Phase]:
+    if name == "ring":
+        return _ring_phases(topology, groups, collective)
+    if name == "pairwise":
+        return _pairwise_phases(topology, groups, collective)
+    if name in netcoll.ALGORITHMS:
+        return _flow_phases(topology, groups, collective, name)
+    raise ValueError(f"algorithm={name!r}: expected ring, tree, hierarchical, torus or pairwise")
+
+
+def _stack(topology, link_ids, phases: dict, group_size, collective) -> CollectivePricing:
+    """Pad and stack the phases; ``link_ids`` maps the routed links to ``topology``'s."""
+    used = np.zeros(len(link_ids), dtype=bool)
+    for plist in phases.values():
+        for ph in plist:
+            used |= (ph.incidence > 0).any(axis=0)
+    links = np.flatnonzero(used)
+    algs = []
+    for plist in phases.values():
+        n_flows = max(len(ph.frac) for ph in plist)
+        inc = np.zeros((len(plist), n_flows, len(links)))
+        frac = np.zeros((len(plist), n_flows))
+        for p, ph in enumerate(plist):
+            inc[p, : len(ph.frac)] = ph.incidence[:, links]
+            frac[p, : len(ph.frac)] = ph.frac
+        steps = np.array([ph.steps for ph in plist], dtype=float)
+        lat = np.array([ph.latency_steps for ph in plist], dtype=float)
+        algs.append(AlgorithmArrays(*(jnp.asarray(a) for a in (inc, frac, steps, lat))))
+    links = link_ids[links]
+    return CollectivePricing(
+        links=jnp.asarray(links),
+        nvlink=jnp.asarray(link_classes(topology)[links]),
+        latency_s=jnp.asarray(topology.latency_s[links]),
+        group_size=float(group_size),
+        algorithms=tuple(algs),
+        names=tuple(phases),
+        collective=collective,
+    )
+
+
+# --- pricing (JAX) ------------------------------------------------------------------------------
+
+LinkTimeFn = Callable[[jax.Array, jax.Array, jax.Array, float], jax.Array]
+
+
+def most_loaded_link_s(incidence, capacity_Bps, flow_bytes, temperature):
+    """Seconds of one step: the bytes on the most loaded link over its capacity (smooth max).
+
+    Args:
+        incidence: ``[F, L]`` share of each flow's bytes on each link.
+        capacity_Bps: ``[L]`` effective capacities.
+        flow_bytes: ``[F]`` bytes each flow moves in the step.
+        temperature: softness of the maximum over links.
+    """
+    return smooth.smooth_max((flow_bytes @ incidence) / capacity_Bps, temperature=temperature)
+
+
+def _present(msg_bytes):
+    return msg_bytes / (msg_bytes + _ZERO_BYTES)
+
+
+def _algorithm_s(
+    alg: AlgorithmArrays, msg_bytes, capacity, latency, params, temperature, fn, pipelined
+):
+    step_bytes = msg_bytes + params.half_bw_bytes * _present(msg_bytes)
+
+    def phase(incidence, frac, steps, latency_steps):
+        t = fn(incidence, capacity, frac * step_bytes, temperature)
+        path = jnp.where(frac > 0, incidence @ latency, 0.0)
+        hop = smooth.smooth_max(path, temperature=temperature)
+        return steps * t, latency_steps * hop * _present(msg_bytes)
+
+    band, lat = jax.vmap(phase)(alg.incidence, alg.frac, alg.steps, alg.latency_steps)
+    if pipelined and alg.incidence.shape[0] > 1:
+        # chunks stream through the phases: each link carries its bytes of all phases
+        n_phases, n_flows, n_links = alg.incidence.shape
+        flow_bytes = (alg.steps[:, None] * alg.frac * step_bytes).reshape(-1)
+        incidence = alg.incidence.reshape(n_phases * n_flows, n_links)
+        return fn(incidence, capacity, flow_bytes, temperature) + jnp.sum(lat)
+    return jnp.sum(band) + jnp.sum(lat)
+
+
+def _effective_links(pricing: CollectivePricing, capacity_Bps, params: Params):
+    """Capacities times their class's efficiency and latencies times its scale, on the
+    pricing's links."""
+    fast = pricing.nvlink
+    eff = fast * params.nvlink_eff + (1.0 - fast) * params.nic_eff
+    capacity = jnp.take(jnp.asarray(capacity_Bps), pricing.links) * eff
+    scale = fast * params.nvlink_latency_scale + (1.0 - fast) * params.nic_latency_scale
+    return capacity, pricing.latency_s * scale
+
+
+def collective_time_s(
+    pricing: CollectivePricing,
+    msg_bytes,
+    capacity_Bps,
+    params: Params,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+    link_time: LinkTimeFn = most_loaded_link_s,
+    pipelined: bool = True,
+):
+    """Seconds of one collective of a ``msg_bytes`` buffer (scalar; ``jax.vmap`` for many).
+
+    Args:
+        pricing: ``collective_pricing(...)`` of the topology and groups.
+        msg_bytes: buffer size (bytes), the nccl-tests ``size``.
+        capacity_Bps: ``[links]`` capacity of every link of the topology (its
+            ``capacity_Bps``, or a what-if); gradients flow to it.
+        params: calibrated constants (efficiencies, latency scales, ``half_bw_bytes``,
+            ``reduce_Bps``, ``collective_overhead_s``).
+        temperature: softness of the smooth maxima and of the minimum over algorithms.
+        link_time: ``(incidence [F, L], capacity [L], flow_bytes [F], temperature) -> s``
+            of one step; the default is the most loaded link.
+        pipelined: phases stream chunk by chunk (NCCL's pipelined algorithms), so an
+            algorithm's bandwidth time is ``link_time`` of the bytes of all its phases at once
+            (a link used by two phases carries both; links of different phases overlap);
+            False: the phases' times add.
+    """
+    capacity, latency = _effective_links(pricing, capacity_Bps, params)
+    times = [
+        _algorithm_s(alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
+        for alg in pricing.algorithms
+    ]
+    best = times[0]
+    if len(times) > 1:
+        best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)
+    if pricing.collective in REDUCES:
+        traffic = TRAFFIC[pricing.collective]
+        best = best + traffic / 2.0 * msg_bytes / params.reduce_Bps
+    return best + params.collective_overhead_s * _present(msg_bytes)
+
+
+def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0):
+    """``{name: seconds}`` of each algorithm alone (bandwidth and latency terms only)."""
+    capacity, latency = _effective_links(pricing, capacity_Bps, params)
+    return {
+        name: _algorithm_s(
+            alg, msg_bytes, capacity, latency, params, temperature, most_loaded_link_s, True
+        )
+        for name, alg in zip(pricing.names, pricing.algorithms)
+    }
