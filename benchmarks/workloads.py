@@ -68,8 +68,8 @@ def summary_lines(r: dict) -> list[str]:
                      f"worse than greedy {s['worse_than_greedy']}")  # fmt: skip
     for bench, f in r.get("mlperf", {}).items():
         zs, cal = f.get("mape_pct_zero_shot"), f.get("mape_pct_calibrated")
-        lines.append(f"mlperf {bench:24s} rows {f['rows']:4d} predicted {f['predicted']:4d}"
-                     + (f"  MAPE zero-shot {zs:.1f}%  calibrated {cal:.1f}%" if zs else ""))  # fmt: skip
+        mape = f"  MAPE zero-shot {zs:.1f}%  calibrated {cal:.1f}%" if zs is not None else ""
+        lines.append(f"mlperf {bench:24s} rows {f['rows']:4d} predicted {f['predicted']:4d}{mape}")
     return lines
 
 
