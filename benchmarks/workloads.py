@@ -36,7 +36,7 @@ import workloads_sbp  # noqa: E402
 SECTIONS = {
     "from_jax": workloads_from_jax.measure,
     "sbp": workloads_sbp.measure,
-    "dlrm_sharding": workloads_dlrm.measure,
+    "dlrm_sharding": lambda quick: {"dlrm_sharding": workloads_dlrm.measure(quick)},
     "mlperf": workloads_mlperf.measure,
 }
 

@@ -241,7 +241,20 @@ def test_routes_are_cached_and_read_only():
 # --- every cluster preset as a graph, and its ring share ------------------------------------
 
 
-@pytest.mark.parametrize("name", available_presets("clusters"))
+def _ring_share_cases():
+    """Every cluster preset; those whose GPUs reach a NIC faster than each other (PCIe nodes)
+    are expected to fail: ``from_cluster`` attaches NICs to the GPUs at the NIC's bandwidth, so
+    intra-node routes take the wider hairpin through a NIC, which NCCL does not use."""
+    for name in available_presets("clusters"):
+        c = load_cluster(name)
+        if c.nvlink_GBps * GBPS / 2 < c.nic_Gbps * GBITPS:
+            reason = "PCIe node: intra-node routes hairpin through a NIC (docs/network.md)"
+            yield pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
+        else:
+            yield name
+
+
+@pytest.mark.parametrize("name", list(_ring_share_cases()))
 def test_cluster_graph_ring_share_matches_table(name):
     cluster = load_cluster(name)
     g = cluster.gpus_per_node
