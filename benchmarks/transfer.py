@@ -45,7 +45,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from cv_report import clean_json, finish, fmt, grouped_pred_meas  # noqa: E402
 
@@ -55,6 +54,7 @@ from calibration.heldout import (  # noqa: E402
     ape_pct,
     fresh_compilation_cache,
     load_data,
+    map_tables,
     metrics,
     population_row,
     run_fit,
@@ -185,19 +185,15 @@ class Transfer:
 
     def population_start(self, tables, w) -> tuple[dict, dict]:
         """``tables`` with the cluster rows of clusters no weighted row of ``w`` names set to
-        the population's constants (``unseen_row``), as their zero-shot prediction had them."""
+        the population's constants (``unseen_row``), as their zero-shot prediction had them
+        (``map_tables`` onto the same problem)."""
         unseen = self.unseen_row(tables, w)
-        _, clus = trained_keys(self.P, w)
-        rows = np.array([c not in clus for c in self.P.clusters])
-        if unseen is None or not rows.any():
+        if unseen is None:
             return tables
-        dev, clu = tables
-        clu = dict(clu)
-        for leaf, value in unseen.items():
-            clu[leaf] = jnp.where(
-                rows.reshape((-1,) + (1,) * (clu[leaf].ndim - 1)), value[None], clu[leaf]
-            )
-        return dev, clu
+        fams, clus = trained_keys(self.P, w)
+        n_fam, n_clu = len(self.P.families), len(self.P.clusters)
+        _, clu = map_tables(self.P, tables, fams, clus, self.P, n_fam, n_clu, unseen)
+        return tables[0], clu
 
 
 def group_metrics(pred: np.ndarray, meas: np.ndarray) -> dict:
