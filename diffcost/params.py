@@ -120,8 +120,9 @@ class Constant:
 # framework hooks) gets one e-fold: wider, the fit turns time it cannot explain in long runs
 # into a fixed cost per iteration that short runs then pay; that width was picked from 2, 1 and
 # 0.5 by the grouped CV (benchmarks/calibration_cv.py), so it carries a small selection bias.
-# FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere and at roughly half its odds
-# on Hopper, so its odds ratio stays near 1 where no data separates the two kernels. The
+# FlashAttention-2 runs about as fast as the cuDNN kernel on Ampere, so its odds ratio defaults
+# to 1 (on Hopper to the published ratio, ``FAMILY_DEFAULTS``) and stays there where no data
+# separates the two kernels. The
 # attention shape odds (per octave of sequence, head dim, heads per GPU, GQA group; forward and
 # backward), the backward kernel's odds ratio and the ceiling (attention's best rate as a
 # multiple of the 16-bit GEMM rate: a fused kernel can outrun the GEMMs of a table whose GEMMs
