@@ -40,6 +40,7 @@ class ModelArrays:
     capacity_factor: jax.Array
     flash: jax.Array  # 1: fused attention (flash or cudnn)
     flash2: jax.Array  # 1: FlashAttention-2
+    triton: jax.Array  # 1: FlashAttention in Triton
     precision: jax.Array  # [n_precisions] one-hot: which peak the GEMMs run at
     dropout: jax.Array  # 1: dropout masks are kept for backward
     causal: jax.Array  # 1: causal attention (fused kernels skip the masked half)
@@ -136,6 +137,7 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
         capacity_factor=f(moe.capacity_factor if moe else 1.0),
         flash=f(1.0 if model.flash_attention else 0.0),
         flash2=f(1.0 if model.attention == "flash" else 0.0),
+        triton=f(1.0 if model.attention == "triton" else 0.0),
         precision=_choice(specs.PRECISIONS, model.precision, f),
         dropout=f(1.0 if model.dropout else 0.0),
         causal=f(1.0 if model.causal else 0.0),

@@ -290,7 +290,7 @@ def _attention_times(work: LayerWork, model, cluster, params, temperature):
     flash, mask = model.flash, model.causal
     causal = flash * (mask * CAUSAL_FRACTION_FLASH + (1.0 - mask)) + (1.0 - flash)
     rate16 = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
-    eff = params.attention_eff(model.flash2, work.attention_shape)
+    eff = params.attention_eff(model.flash2, work.attention_shape, model.triton)
     attn_rate = rate16 * (flash * eff + (1.0 - flash))
     fwd = smooth.smax2(
         work.attention_flops * causal / attn_rate,

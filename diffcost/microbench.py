@@ -127,7 +127,7 @@ def _attention_log_time(raw, model, plan, cluster, params: Params, temperature, 
     p = with_raw_scalars(params, raw)
     work = layer_work(model, plan)
     rate = jnp.maximum(kernels.half_peak_flops(model, cluster, p), 1.0)
-    eff = p.attention_eff(model.flash2, work.attention_shape)
+    eff = p.attention_eff(model.flash2, work.attention_shape, model.triton)
     flops, n_bytes = work.attention_flops, work.attention_bytes
     t = kernels.fused_attention_s(flops, n_bytes, rate, eff, cluster, p, temperature)
     return jnp.log(t[stage] + p.kernel_overhead_s)

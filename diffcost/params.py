@@ -147,6 +147,11 @@ CONSTANTS = (
        "fused attention efficiency", "%", 100.0),
     _C("attn_flash_odds", "attn_flash_log_odds", "log", 1.0, 0.5, "device",
        "FlashAttention-2 odds ratio", "x"),
+    # Triton FlashAttention against FlashAttention-2: Dao, "FlashAttention-2" (2023), section
+    # 4.1, A100: FlashAttention-2 is 1.3-2.5x faster than FlashAttention in Triton; at 1.8x (the
+    # geometric middle) and FlashAttention-2's ~60% of peak, odds 0.5 against 1.5.
+    _C("attn_triton_odds", "attn_triton_log_odds", "log", 0.33, 0.5, "device",
+       "Triton FlashAttention odds against FlashAttention-2", "x"),
     _C("attn_seq_odds", "attn_seq_log_odds", "log", 1.0, 0.5, "device",
        "attention odds per sequence octave", "x"),
     _C("attn_dim_odds", "attn_dim_log_odds", "log", 1.0, 0.5, "device",
@@ -219,18 +224,23 @@ def _constrained(constant: Constant):
     return property(lambda self: squash(getattr(self, constant.leaf)), doc=constant.label)
 
 
-def _attention_eff(self, flash2, shape=None):
+def _attention_eff(self, flash2, shape=None, triton=0.0):
     """Attention kernel efficiency against the 16-bit GEMM rate, forward and backward ``[2]``.
 
     ``attn_ceiling`` times a sigmoid of log odds: ``attn_eff`` at the reference shape
     (``ATTN_SHAPE_REF``), FlashAttention-2's (``flash2`` = 1) odds ``attn_flash_odds`` times
-    those, and ``shape`` ``[..., 4]`` the octaves of the kernel's shape from the reference
+    those, Triton FlashAttention's (``triton`` = 1) ``attn_triton_odds`` times FlashAttention-2's,
+    and ``shape`` ``[..., 4]`` the octaves of the kernel's shape from the reference
     (``diffcost.workload.attention_shape``), each multiplying the odds by its constant per
     octave (``attn_seq_odds``, ... forward; ``attn_bwd_seq_odds``, ... backward, whose odds are
     also ``attn_bwd_odds`` times the forward's). At their defaults (1) every shape and both
     passes get ``attn_eff``.
     """
-    fwd = self.attn_eff_logit + flash2 * self.attn_flash_log_odds
+    fwd = (
+        self.attn_eff_logit
+        + (flash2 + triton) * self.attn_flash_log_odds
+        + triton * self.attn_triton_log_odds
+    )
     bwd = fwd + self.attn_bwd_log_odds
     if shape is not None:
         for i, (f, b) in enumerate(zip(ATTN_SHAPE_LEAVES, ATTN_BWD_SHAPE_LEAVES)):

@@ -57,8 +57,10 @@ FRAMEWORK_DEFAULTS = {
     "Megatron-DeepSpeed": FrameworkDefaults(False, 0, "full", "unfused", False, False, False),
     # Megatron-LM v1 trained in fp16 and all-reduced fp16 gradients (fp32 only on request).
     "Megatron-LM v1.0": FrameworkDefaults(False, 0, "none", "unfused", True, False, False),
-    # PyTorch FSDP stacks: FlashAttention-2 (llm-foundry's flash-attn, PyTorch SDPA).
-    "llm-foundry": FrameworkDefaults(False, 3, "none", "flash", True, False),
+    # PyTorch FSDP stacks. llm-foundry's MPT configs (scripts/train/yamls/pretrain/mpt-*.yaml,
+    # which its benchmark tables ran) set ``attn_impl: triton``: FlashAttention in Triton, the
+    # kernel that carried MPT's ALiBi bias. torchtitan: FlashAttention-2 through PyTorch SDPA.
+    "llm-foundry": FrameworkDefaults(False, 3, "none", "triton", True, False),
     "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False),
     "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
 }

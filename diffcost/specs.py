@@ -16,9 +16,11 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Mlp = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 # Attention core: "unfused" writes the s x s scores to HBM (Megatron's softmax path); "flash" is
-# FlashAttention-2 (flash-attn, PyTorch SDPA); "cudnn" is cuDNN fused attention (Transformer
-# Engine, Megatron-Core's default), the Hopper-tuned kind that FlashAttention-3 also belongs to.
-Attention = Literal["unfused", "flash", "cudnn"]
+# FlashAttention-2 (flash-attn, PyTorch SDPA); "triton" is FlashAttention written in Triton (the
+# 2022 kernel llm-foundry's MPT configs select with ``attn_impl: triton``, for ALiBi); "cudnn" is
+# cuDNN fused attention (Transformer Engine, Megatron-Core's default), the Hopper-tuned kind that
+# FlashAttention-3 also belongs to.
+Attention = Literal["unfused", "flash", "triton", "cudnn"]
 # Linear layers of every transformer layer that carry LoRA adapters: "attention" the QKV and
 # output projections (NeMo's ``target_modules: [attention]``), "mlp" FC1 and FC2, "all" both.
 LoraModules = Literal["attention", "mlp", "all"]

@@ -65,7 +65,7 @@ def test_e2e_fixture():
     assert isinstance(first.defaults, tuple)
     assert m.e2e[1].model.n_layers == 80 and m.e2e[1].plan.zero == 3
     # attention kernel by framework: Megatron-DeepSpeed, llm-foundry, NeMo
-    assert [r.model.attention for r in m.e2e] == ["unfused", "flash", "cudnn"]
+    assert [r.model.attention for r in m.e2e] == ["unfused", "triton", "cudnn"]
     assert [(s.line, reason.split(":")[0]) for s, reason in m.skipped] == [
         (5, "no cluster preset 'no-such-cluster'"),
         (6, "architecture not given by the source"),

@@ -1,6 +1,7 @@
 """SimuMax node descriptions: readers, attention efficiency by shape, the simumax-b200 preset."""
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -153,6 +154,24 @@ def test_default_shape_terms_reproduce_the_single_constant_exactly():
         old = jax.nn.sigmoid(params.attn_eff_logit + flash2 * params.attn_flash_log_odds)
         eff = params.attention_eff(flash2, _shapes())
         assert np.array_equal(np.asarray(eff), np.full(eff.shape, float(old)))
+
+
+def test_triton_odds_multiply_flashattention2_odds():
+    """Triton FlashAttention's odds are attn_triton_odds times FlashAttention-2's, at every shape
+    and in both passes, and at its default (< 1) its attention takes longer than FA2's."""
+    params = default_params(family="h100")
+    odds = lambda e: e / (jnp.exp(params.attn_ceiling_log) - e)  # noqa: E731
+    shapes = _shapes()
+    flash = params.attention_eff(1.0, shapes)
+    triton = params.attention_eff(0.0, shapes, 1.0)
+    assert np.allclose(np.asarray(odds(triton) / odds(flash)), float(params.attn_triton_odds))
+    model, plan, cluster = arrays(dataclasses.replace(LLAMA, attention="flash"))
+    work = layer_work(model, plan)
+    times = [
+        kernels.kernel_times(work, m, cluster, params, 1e-3).attention_s
+        for m in (model, model.replace(flash2=0.0 * model.flash2, triton=1.0 + 0 * model.triton))
+    ]
+    assert np.all(np.asarray(times[1]) > np.asarray(times[0]) * 1.5)  # forward and backward
 
 
 def test_ceiling_scales_both_passes_at_every_shape():
