@@ -35,6 +35,7 @@ from diffcost.network import job as netjob
 from diffcost.network.graph import Topology
 
 OBJECTIVES = ("time", "cost_time")
+BUDGET_RTOL = 1e-5  # a design within this of the budget keeps it (float32 rounding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ def evaluate(scale, job, params, spend, objective, time_fn, temperature) -> Desi
     t = float(_time_and_grad(jnp.log(scale), job, params, time_fn, temperature)[0])
     c = float(np.dot(spend, scale))
     value = float(objective_value(t, c, objective))
-    if objective.kind == "time" and c > objective.budget_usd * (1.0 + 1e-9):
+    if objective.kind == "time" and c > objective.budget_usd * (1.0 + BUDGET_RTOL):
         value = float("inf")
     return Design(scale, t, c, value)
 

@@ -30,7 +30,7 @@ import numpy as np
 from diffcost import config
 from diffcost.network import generators as gen
 from diffcost.network import job as netjob
-from diffcost.network.design import OBJECTIVES, Objective, Prices
+from diffcost.network.design import OBJECTIVES, Design, Objective, Prices, marginals, optimize
 from diffcost.network.graph import Topology
 from diffcost.network.load import load_topology
 from diffcost.spec_values import ConfigError, invalid
@@ -213,3 +213,77 @@ def load_design(path) -> DesignSpec:
         steps=_positive(tree, "steps", 150, where, integer=True),
         learning_rate=_positive(tree, "learning_rate", 0.05, where),
     )
+
+
+def oversubscription(topology: Topology, scale) -> dict:
+    """Per switch tier (leaf, spine) with links up: capacity down over capacity up, at the
+    class multipliers ``scale [CLASSES]`` (``{"leaf": 2.0}`` for a 2:1 taper)."""
+    kinds = np.array(topology.kinds)
+    capacity = topology.capacity_Bps * np.asarray(scale)[netjob.link_classes(topology)]
+    tier = np.array([netjob.KIND_TIER[k] for k in kinds])
+    out = {}
+    for kind in ("leaf", "spine"):
+        leaving = kinds[topology.src] == kind
+        up = leaving & (tier[topology.dst] > netjob.KIND_TIER[kind])
+        up &= kinds[topology.dst] != kind
+        down = leaving & ~up & (kinds[topology.dst] != kind)
+        if up.any() and down.any():
+            out[kind] = float(capacity[down].sum() / capacity[up].sum())
+    return out
+
+
+def _point(d: Design, spec: DesignSpec, job, params) -> dict:
+    m = marginals(d.scale, job, params, spec.spend)
+    return {
+        "scale": d.scale.tolist(),
+        "time_s": d.time_s,
+        "cost_usd": d.cost_usd,
+        "objective": d.objective,
+        "elasticity": m["elasticity"].tolist(),
+        "s_saved_per_usd": [None if np.isnan(x) else float(x) for x in m["s_saved_per_usd"]],
+        "oversubscription": oversubscription(spec.topology, d.scale),
+    }
+
+
+def run_design(spec: DesignSpec, params=None, time_fn=netjob.graph_iteration_s) -> dict:
+    """Optimize ``spec`` and report the built network and the best design.
+
+    Args:
+        spec: ``load_design(...)``.
+        params: calibrated constants (default: the experiment's, as ``diffcost predict``).
+        time_fn: the job-time seam.
+
+    Returns:
+        ``{"design", "experiment", "topology", "objective", "budget_usd", "fixed_usd",
+        "classes", "spend_usd", "predict_iteration_s", "start", "best", "steps"}``; ``start``
+        and ``best`` each ``{"scale", "time_s", "cost_usd", "objective", "elasticity",
+        "s_saved_per_usd", "oversubscription"}`` (per class lists in ``classes``' order).
+    """
+    from diffcost import api
+
+    exp = spec.experiment
+    if params is None:
+        params = api.params_for(exp)[0]
+    model, plan, cluster = api.experiment_arrays(exp)
+    try:
+        job = netjob.make_job(spec.topology, exp.plan, model, plan, cluster)
+    except ValueError as err:
+        raise ConfigError(f"{spec.where}: the plan on the topology: {err}") from None
+    start, best, history = optimize(
+        job, params, spec.spend, spec.objective, spec.steps, spec.learning_rate, time_fn
+    )
+    return {
+        "design": spec.where,
+        "experiment": exp.source,
+        "topology": spec.topology.name,
+        "objective": spec.objective.kind,
+        "budget_usd": spec.objective.budget_usd,
+        "fixed_usd": spec.objective.fixed_usd,
+        "classes": list(netjob.CLASSES),
+        "optimized": [c for c, m in zip(netjob.CLASSES, spec.objective.optimize) if m],
+        "spend_usd": spec.spend.tolist(),
+        "predict_iteration_s": float(api.predict(exp, params=params).iteration_s),
+        "start": _point(start, spec, job, params),
+        "best": _point(best, spec, job, params),
+        "steps": len(history) - 1,
+    }
