@@ -129,7 +129,7 @@ def marginals(scale, job, params, spend, time_fn=netjob.graph_iteration_s, tempe
     """Per class: elasticity ``d ln T / d ln s_c`` and seconds saved per dollar.
 
     Returns:
-        ``{"elasticity": [CLASSES], "s_saved_per_usd": [CLASSES]}`` (numpy); the second is
+        ``{"time_s", "elasticity": [CLASSES], "s_saved_per_usd": [CLASSES]}`` (numpy); the last is
         ``-(dT / d ln s_c) / (spend_c * s_c)``, nan for a class that costs nothing.
     """
     tau = smooth.DEFAULT_TEMPERATURE if temperature is None else temperature
@@ -139,7 +139,7 @@ def marginals(scale, job, params, spend, time_fn=netjob.graph_iteration_s, tempe
     cost = np.asarray(spend) * np.asarray(scale)
     with np.errstate(divide="ignore", invalid="ignore"):
         per_usd = np.where(cost > 0, -grad / np.where(cost > 0, cost, 1.0), np.nan)
-    return {"elasticity": grad / float(t), "s_saved_per_usd": per_usd}
+    return {"time_s": float(t), "elasticity": grad / float(t), "s_saved_per_usd": per_usd}
 
 
 @functools.partial(jax.jit, static_argnames=("time_fn", "temperature"))
