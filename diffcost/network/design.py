@@ -12,12 +12,13 @@ objective (``Objective``) is either
 * ``cost_time``: price times performance, ``(fixed_usd + network cost) * iteration time``
   (the dollars of the cluster per iteration, amortised alike), over free ``z = log s``.
 
-``optimize`` runs optax Adam on ``z`` through ``job.job_time_s`` (the seam: any graph-aware
-iteration time) and returns the best design it evaluated, the start included, so the result is
-never worse than the start. ``marginals`` answers "which tier should the next dollar buy?":
-per class, the iteration time saved per dollar spent on it, ``-(dT / d ln s_c) / (spend_c
-s_c)``. At a budget optimum the classes being bought save the same per dollar (the budget's
-Lagrange multiplier); under ``cost_time`` each saves ``T / C`` per dollar.
+``optimize`` runs Adam (``diffcost.descent``: optax, cosine-decayed rate) on ``z`` through
+``job.job_time_s`` (the seam: any graph-aware iteration time) and returns the best design it
+evaluated, the start included, so the result is never worse than the start. ``marginals``
+answers "which tier should the next dollar buy?": per class, the iteration time saved per
+dollar spent on it, ``-(dT / d ln s_c) / (spend_c s_c)``. At a budget optimum the classes
+being bought save the same per dollar (the budget's Lagrange multiplier); under ``cost_time``
+each saves ``T / C`` per dollar.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from diffcost import smooth
+from diffcost import descent, smooth
 from diffcost.network import job as netjob
 from diffcost.network.graph import Topology
 
@@ -176,7 +176,7 @@ def optimize(
     time_fn=netjob.graph_iteration_s,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
 ) -> tuple[Design, Design, list[float]]:
-    """Adam on the log multipliers from the built network (``z = 0``).
+    """Adam (``descent.adam``) on the log multipliers from the built network (``z = 0``).
 
     Args:
         job: ``job.make_job(...)``.
@@ -195,19 +195,13 @@ def optimize(
     args = (job, params, np.asarray(spend), objective, time_fn, temperature)
     start = evaluate(np.ones(len(netjob.CLASSES)), *args)
     loss = _loss_fn(job, params, spend, objective, time_fn, temperature)
-    opt = optax.adam(learning_rate)
-    z = jnp.zeros(len(netjob.CLASSES))
-    state = opt.init(z)
-
-    @jax.jit
-    def step(z, state):
-        value, grad = jax.value_and_grad(loss)(z)
-        updates, state = opt.update(grad, state)
-        return optax.apply_updates(z, updates), state, value
-
+    opt = descent.adam(learning_rate, steps)
+    step = jax.jit(descent.make_step(loss, opt, finite_only=True))
+    z = jnp.zeros(len(netjob.CLASSES), dtype=spend.dtype)
+    state = descent.init(opt, z)
     best_z, best_value, history = None, np.inf, []
     for _ in range(steps + 1):
-        z_new, new_state, value = step(z, state)
+        z_new, new_state, value, _ = step(z, state)
         value = float(value)
         history.append(value)
         if np.isfinite(value) and value < best_value:
