@@ -246,3 +246,16 @@ def test_explain_topology_rows(capsys):
     nic = next(r for r in out["link_classes"] if r["key"] == "nic")
     model_nic = next(r for r in out["elasticities"] if r["key"] == "nic_Bps")
     assert nic["elasticity"] < 0.0 and model_nic["elasticity"] < 0.0
+
+
+def test_searched_cluster_follows_the_design():
+    from diffcost.network import design_search
+
+    cluster = load_experiment(f"{EXAMPLES}/llama3-8b-fsdp.yaml").cluster
+    built = design_search.searched_cluster(cluster, TOPOLOGY, np.ones(4))
+    assert built.oversubscription == pytest.approx(2.0)  # the topology's 2:1 leaves
+    assert built.nvlink_GBps == cluster.nvlink_GBps and built.nic_Gbps == cluster.nic_Gbps
+    moved = design_search.searched_cluster(cluster, TOPOLOGY, np.array([2.0, 0.5, 2.0, 1.0]))
+    assert moved.nvlink_GBps == pytest.approx(2 * cluster.nvlink_GBps)
+    assert moved.nic_Gbps == pytest.approx(0.5 * cluster.nic_Gbps)
+    assert moved.oversubscription == 1.0  # 0.5 x 2 / 2 = 0.5: no taper left, never below 1

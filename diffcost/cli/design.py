@@ -13,7 +13,7 @@ import dataclasses
 from rich.console import Console
 
 from diffcost.cli import common
-from diffcost.network import design_config
+from diffcost.network import design_config, design_search
 
 COLUMNS = (
     "class",
@@ -37,6 +37,13 @@ def register(subparsers) -> None:
     )
     d.add_argument("config", help="design YAML (configs/designs/...)")
     d.add_argument("--steps", type=int, help="descent steps (default: the file's)")
+    d.add_argument(
+        "--search-rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then alternate N rounds of plan search and design (best plan of each design)",
+    )
     common.add_json_argument(d)
     d.set_defaults(func=run)
 
@@ -92,6 +99,32 @@ def print_report(r: dict) -> None:
     )
 
 
+def _plan_text(p: dict) -> str:
+    text = f"tp {p['tp']} cp {p['cp']} pp {p['pp']} dp {p['dp']}"
+    text += f" ep {p['ep']}" if p["ep"] > 1 else ""
+    text += f", zero {p['zero']}, {p['recompute']}, mb {p['microbatch']}, {p['schedule']}"
+    return text + (f" v{p['chunks']}" if p["chunks"] > 1 else "") + ", " + ",".join(p["order"])
+
+
+def print_rounds(rounds: list[dict], classes) -> None:
+    """Print ``design_search.alternate``'s rounds."""
+    columns = ("round", "plan", "built s", "best s", "links $", "objective", *classes)
+    rows = [
+        (
+            str(i),
+            _plan_text(r["plan"]),
+            f"{r['start_time_s']:.4f}",
+            f"{r['best_time_s']:.4f}",
+            f"{r['best_cost_usd']:,.0f}",
+            f"{r['best_objective']:.4g}",
+            *(f"{x:.2f}" for x in r["best_scale"]),
+        )
+        for i, r in enumerate(rounds)
+    ]
+    title = "plan search alternated with design (round 0: the file's plan)"
+    Console().print(common.make_table(title, columns, rows))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one design file.
 
@@ -106,8 +139,13 @@ def run(args: argparse.Namespace) -> int:
         common.check_at_least("--steps", args.steps, 1)
         spec = dataclasses.replace(spec, steps=args.steps)
     report = design_config.run_design(spec)
+    if args.search_rounds:
+        common.check_at_least("--search-rounds", args.search_rounds, 0)
+        report["rounds"] = design_search.alternate(spec, args.search_rounds)
     if args.json:
         common.print_json(report)
     else:
         print_report(report)
+        if args.search_rounds:
+            print_rounds(report["rounds"], report["classes"])
     return 0
