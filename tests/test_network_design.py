@@ -259,3 +259,10 @@ def test_searched_cluster_follows_the_design():
     assert moved.nvlink_GBps == pytest.approx(2 * cluster.nvlink_GBps)
     assert moved.nic_Gbps == pytest.approx(0.5 * cluster.nic_Gbps)
     assert moved.oversubscription == 1.0  # 0.5 x 2 / 2 = 0.5: no taper left, never below 1
+
+
+@pytest.mark.parametrize("path", sorted((_root() / "configs" / "designs").glob("*.yaml")))
+def test_shipped_design_files_load(path):
+    spec = design_config.load_design(path)
+    assert spec.spend.sum() > 0 and spec.steps >= 1
+    assert spec.experiment.plan.n_gpus <= len(spec.topology.endpoints)
