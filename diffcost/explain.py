@@ -244,7 +244,7 @@ def link_class_elasticities(
         topology: a ``network.graph.Topology`` with at least the plan's GPUs.
         params: calibrated constants.
         temperature: as in ``simulate``.
-        time_fn: a ``job.JobTimeFn`` (default ``job.graph_iteration_s``).
+        time_fn: a ``job.JobTimeFn`` (None: ``job.default_time_fn()``).
 
     Returns:
         (graph iteration seconds, rows ``{"key", "name", "links", "capacity_GBps",
@@ -254,7 +254,6 @@ def link_class_elasticities(
     from diffcost.api import experiment_arrays
     from diffcost.network import design, job
 
-    time_fn = job.graph_iteration_s if time_fn is None else time_fn
     netjob = job.make_job(topology, exp.plan, *experiment_arrays(exp))
     ones = np.ones(len(job.CLASSES))
     m = design.marginals(ones, netjob, params, np.zeros_like(ones), time_fn, temperature)

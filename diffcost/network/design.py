@@ -125,7 +125,7 @@ def evaluate(scale, job, params, spend, objective, time_fn, temperature) -> Desi
     return Design(scale, t, c, value)
 
 
-def marginals(scale, job, params, spend, time_fn=netjob.graph_iteration_s, temperature=None):
+def marginals(scale, job, params, spend, time_fn=None, temperature=None):
     """Per class: elasticity ``d ln T / d ln s_c`` and seconds saved per dollar.
 
     Returns:
@@ -173,7 +173,7 @@ def optimize(
     objective: Objective,
     steps: int = 200,
     learning_rate: float = 0.05,
-    time_fn=netjob.graph_iteration_s,
+    time_fn=None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
 ) -> tuple[Design, Design, list[float]]:
     """Adam (``descent.adam``) on the log multipliers from the built network (``z = 0``).
@@ -184,7 +184,7 @@ def optimize(
         spend: ``[CLASSES]`` ``Prices.class_spend`` of the topology.
         objective: what to minimize.
         steps, learning_rate: the descent.
-        time_fn: the job-time seam (``job.JobTimeFn``).
+        time_fn: the job-time seam (a ``job.JobTimeFn``; None: ``job.default_time_fn()``).
         temperature: softness of the model.
 
     Returns:

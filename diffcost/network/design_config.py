@@ -245,13 +245,13 @@ def _point(d: Design, spec: DesignSpec, job, params) -> dict:
     }
 
 
-def run_design(spec: DesignSpec, params=None, time_fn=netjob.graph_iteration_s) -> dict:
+def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
     """Optimize ``spec`` and report the built network and the best design.
 
     Args:
         spec: ``load_design(...)``.
         params: calibrated constants (default: the experiment's, as ``diffcost predict``).
-        time_fn: the job-time seam.
+        time_fn: the job-time seam (None: ``job.default_time_fn()``).
 
     Returns:
         ``{"design", "experiment", "topology", "objective", "budget_usd", "fixed_usd",

@@ -71,7 +71,7 @@ def alternate(
     spec: DesignSpec,
     rounds: int = 3,
     config: search.SearchConfig | None = None,
-    time_fn=netjob.graph_iteration_s,
+    time_fn=None,
 ) -> list[dict]:
     """Rounds of (search the plan at the current design, design the network for it).
 
@@ -79,7 +79,7 @@ def alternate(
         spec: ``design_config.load_design(...)``; its plan is round 0's.
         rounds: search rounds after round 0.
         config: the search's knobs.
-        time_fn: the job-time seam.
+        time_fn: the job-time seam (None: ``job.default_time_fn()``).
 
     Returns:
         One dict per round: ``{"plan", "start_time_s", "best_time_s", "best_cost_usd",

@@ -107,6 +107,8 @@ class GraphJob:
             iteration runs over a dimension of two or more ranks (absent: one rank, no time).
         capacity_Bps: ``[links]`` the topology's link capacities as built.
         link_class: ``[links]`` class index of each link (``CLASSES``).
+        extra: whatever another ``JobTimeFn`` precomputes outside jit (its routes, say);
+            ``graph_iteration_s`` does not read it.
     """
 
     model: ModelArrays
@@ -115,6 +117,7 @@ class GraphJob:
     pricings: dict
     capacity_Bps: jnp.ndarray
     link_class: jnp.ndarray
+    extra: object = None
 
 
 # Link classes, by the higher tier of a link's two ends: NVLink between GPUs and NVSwitches
@@ -191,8 +194,11 @@ def job_pricings(topology: Topology, plan: PlanSpec, requests) -> dict:
     return out
 
 
-def make_job(topology: Topology, plan: PlanSpec, model, plan_arrays, cluster) -> GraphJob:
-    """A ``GraphJob``: the pricings of ``plan`` on ``topology`` with its arrays."""
+def make_job(
+    topology: Topology, plan: PlanSpec, model, plan_arrays, cluster, extra=None
+) -> GraphJob:
+    """A ``GraphJob``: the pricings of ``plan`` on ``topology`` with its arrays (and
+    ``extra``, a pytree another ``JobTimeFn`` needs)."""
     requests = comm_requests(workload.layer_work(model, plan_arrays), model, plan_arrays)
     pairs = sorted({(collective, dim) for _, collective, dim, _ in requests})
     return GraphJob(
@@ -202,6 +208,7 @@ def make_job(topology: Topology, plan: PlanSpec, model, plan_arrays, cluster) ->
         pricings=job_pricings(topology, plan, pairs),
         capacity_Bps=jnp.asarray(topology.capacity_Bps),
         link_class=jnp.asarray(link_classes(topology)),
+        extra=extra,
     )
 
 
@@ -259,6 +266,13 @@ def graph_iteration_s(
     return pipe_dp + st.optimizer_s + st.overhead_s
 
 
+def default_time_fn() -> JobTimeFn:
+    """The ``JobTimeFn`` every caller that passes none uses (``design``, ``explain
+    --topology``, the benchmark): the one line to change to point them all at another
+    graph-aware prediction path."""
+    return graph_iteration_s
+
+
 def scaled_capacity(class_scale, job: GraphJob):
     """``[links]`` capacities with each link's class multiplier ``class_scale [CLASSES]``."""
     return job.capacity_Bps * jnp.take(jnp.asarray(class_scale), job.link_class)
@@ -269,8 +283,10 @@ def job_time_s(
     job: GraphJob,
     params: Params,
     temperature=smooth.DEFAULT_TEMPERATURE,
-    time_fn: JobTimeFn = graph_iteration_s,
+    time_fn: JobTimeFn | None = None,
 ):
     """Iteration seconds of ``job`` with every link of class ``c`` at ``class_scale[c]`` times
-    its capacity (``[len(CLASSES)]``). ``time_fn`` is the seam: any ``JobTimeFn``."""
+    its capacity (``[len(CLASSES)]``). ``time_fn`` is the seam: any ``JobTimeFn``; None for
+    ``default_time_fn()``."""
+    time_fn = default_time_fn() if time_fn is None else time_fn
     return time_fn(scaled_capacity(class_scale, job), job, params, temperature)
