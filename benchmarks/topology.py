@@ -21,13 +21,22 @@ Each figure is one section, computed by its own function in ``SECTIONS``; the JS
   ``us_per_case_by_flows``: the same per case for
   random sets of 4, 8, 16 and 24 flows (``--quick``: 4, 8) in float32 and float64. Float64
   unless stated. Target: max error <= 1%.
+* ``design``: ``diffcost design`` on ``DESIGN_EXAMPLE`` (``network.design_config.run_design``,
+  float64; ``--quick``: 30 steps): ``example``; ``before_s`` and ``after_s``, the iteration
+  time on the built network and at the best design (collectives priced on the graph);
+  ``cost_before`` and ``cost_after``, what the priced links cost (dollars); ``scale_after``,
+  the multiplier per link class; ``s_saved_per_usd_before`` / ``_after`` per class (at a
+  budget optimum the classes bought save the same per dollar); ``predict_s``, the model's own
+  prediction of the job.
 
-Writes the JSON to ``--out`` (not with ``--quick``). Exits non-zero when a target is missed.
+Writes the JSON to ``--out`` (not with ``--quick``). Exits non-zero when a target is missed (the
+design's: no slower than the built network, within its budget).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -47,6 +56,9 @@ sys.path.insert(0, str(ROOT))
 import topology_collectives  # noqa: E402
 
 from diffcost import sharing, sharing_cases  # noqa: E402
+from diffcost.network import design_config  # noqa: E402
+
+DESIGN_EXAMPLE = ROOT / "configs" / "designs" / "mixtral-leaf-spine.yaml"
 
 TARGETS = {"sharing": {"max_err_pct": 1.0}}
 
@@ -135,8 +147,36 @@ def collectives_section(quick: bool) -> dict:
     return topology_collectives.measure(quick)["collectives"]
 
 
-# later sections ("sweep_configs_per_s", "design", ...) are added here
-SECTIONS = {"sharing": sharing_section, "collectives": collectives_section}
+def design_section(quick: bool) -> dict:
+    """``diffcost design`` on ``DESIGN_EXAMPLE``: the iteration time and link cost before and
+    after."""
+    spec = design_config.load_design(DESIGN_EXAMPLE)
+    if quick:
+        spec = dataclasses.replace(spec, steps=30)
+    r = design_config.run_design(spec)
+    classes = r["classes"]
+    return {
+        "example": str(DESIGN_EXAMPLE.relative_to(ROOT)),
+        "before_s": r["start"]["time_s"],
+        "after_s": r["best"]["time_s"],
+        "cost_before": r["start"]["cost_usd"],
+        "cost_after": r["best"]["cost_usd"],
+        "objective": r["objective"],
+        "budget_usd": r["budget_usd"],
+        "scale_after": dict(zip(classes, r["best"]["scale"])),
+        "s_saved_per_usd_before": dict(zip(classes, r["start"]["s_saved_per_usd"])),
+        "s_saved_per_usd_after": dict(zip(classes, r["best"]["s_saved_per_usd"])),
+        "predict_s": r["predict_iteration_s"],
+        "steps": r["steps"],
+    }
+
+
+# later sections ("sweep_configs_per_s", ...) are added here
+SECTIONS = {
+    "sharing": sharing_section,
+    "collectives": collectives_section,
+    "design": design_section,
+}
 COLLECTIVE_MAPE_PCT = 5.0  # target per cluster, messages >= 1 MiB
 
 
@@ -172,7 +212,26 @@ def _print_collectives(c: dict) -> None:
         )
 
 
-PRINTERS = {"sharing": _print_sharing, "collectives": _print_collectives}
+def _print_design(d: dict) -> None:
+    print(
+        f"design ({d['example']}, {d['objective']}, budget {d['budget_usd']:,.0f} $): "
+        f"{d['before_s']:.4f} s at {d['cost_before']:,.0f} $ -> {d['after_s']:.4f} s at "
+        f"{d['cost_after']:,.0f} $ ({d['steps']} steps; predict {d['predict_s']:.4f} s)"
+    )
+    for name, scale in d["scale_after"].items():
+        before, after = d["s_saved_per_usd_before"][name], d["s_saved_per_usd_after"][name]
+        if before is not None:
+            print(
+                f"  {name:10s} x{scale:.3f}  µs saved per $1k: {1e9 * before:8.1f} -> "
+                f"{1e9 * after:8.1f}"
+            )
+
+
+PRINTERS = {
+    "sharing": _print_sharing,
+    "collectives": _print_collectives,
+    "design": _print_design,
+}
 
 
 def main(argv=None) -> int:
@@ -193,6 +252,11 @@ def main(argv=None) -> int:
         for name, f in out["collectives"].items()
         if f["mape_pct"] > COLLECTIVE_MAPE_PCT
     ]
+    design = out["design"]
+    over = design["cost_after"] > design["budget_usd"] * 1.000001
+    slower = design["after_s"] > design["before_s"]
+    if design["objective"] == "time" and (over or slower):
+        missed.append("design (worse than the built network, or over budget)")
     out["targets_missed"] = missed
     if not args.quick:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

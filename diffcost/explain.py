@@ -120,6 +120,7 @@ def explain(
     params: Params | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
     profile=None,
+    topology=None,
 ) -> dict:
     """Prediction summary and elasticities of one experiment (the ``explain --json`` object).
 
@@ -129,7 +130,9 @@ def explain(
         ``elasticities``, ``constants`` says which Params were used. ``profile`` picks the
         constants when ``params`` is None, as ``predict --profile`` does
         (``diffcost.api.params_for``: None for the cluster's calibrated profile, ``"none"``
-        for datasheet defaults, or a profile file).
+        for datasheet defaults, or a profile file). With a ``topology`` (a
+        ``network.graph.Topology``) the result also has ``link_classes``
+        (``link_class_elasticities``) and ``graph_iteration_s``.
     """
     from diffcost.api import experiment_arrays, load, params_for
 
@@ -181,7 +184,12 @@ def explain(
     rows.sort(key=lambda r: (-round(abs(r["elasticity"]), 6), r["group"] != _HARDWARE))
 
     f = lambda x: float(np.asarray(x))  # noqa: E731
+    network = {}
+    if topology is not None:
+        graph_s, classes = link_class_elasticities(exp, topology, params, temperature)
+        network = {"graph_iteration_s": graph_s, "link_classes": classes}
     return {
+        **network,
         "iteration_s": f(out.iteration_s),
         "status": STATUS_NAMES[int(out.status)],
         "memory_peak_bytes": f(out.memory_peak_bytes),
@@ -216,6 +224,61 @@ def elasticities(
         True
     """
     return explain(exp, params, temperature)["elasticities"]
+
+
+def link_class_elasticities(
+    exp: Experiment,
+    topology,
+    params: Params,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+    time_fn=None,
+) -> tuple[float, list[dict]]:
+    """Elasticity of the iteration time to the capacity of each link class of a topology.
+
+    The iteration time comes through the job-time seam (``diffcost.network.job``; default
+    ``graph_iteration_s``: the model with its collectives priced on the graph), every link of a
+    class (``job.CLASSES``: NVLink, NIC, leaf-spine, spine-core) scaled together.
+
+    Args:
+        exp: the experiment (its discrete plan is placed on the topology, rank r on GPU r).
+        topology: a ``network.graph.Topology`` with at least the plan's GPUs.
+        params: calibrated constants.
+        temperature: as in ``simulate``.
+        time_fn: a ``job.JobTimeFn`` (None: ``job.default_time_fn()``).
+
+    Returns:
+        (graph iteration seconds, rows ``{"key", "name", "links", "capacity_GBps",
+        "elasticity"}`` of the classes the topology has, largest ``|elasticity|`` first;
+        ``links`` directed links, ``capacity_GBps`` their total capacity).
+    """
+    from diffcost.api import experiment_arrays
+    from diffcost.network import design, job
+
+    netjob = job.make_job(topology, exp.plan, *experiment_arrays(exp))
+    ones = np.ones(len(job.CLASSES))
+    m = design.marginals(ones, netjob, params, np.zeros_like(ones), time_fn, temperature)
+    classes = job.link_classes(topology)
+    rows = [
+        {
+            "key": name,
+            "name": NETWORK_LABELS[name],
+            "links": int((classes == i).sum()),
+            "capacity_GBps": _round(topology.capacity_Bps[classes == i].sum() * 1e-9),
+            "elasticity": float(m["elasticity"][i]),
+        }
+        for i, name in enumerate(job.CLASSES)
+        if (classes == i).any()
+    ]
+    rows.sort(key=lambda r: -abs(r["elasticity"]))
+    return m["time_s"], rows
+
+
+NETWORK_LABELS = {
+    "nvlink": "NVLink links (GPU-NVSwitch, GPU-GPU)",
+    "nic": "NIC links (GPU-NIC, NIC-leaf)",
+    "leaf_spine": "leaf-spine links",
+    "spine_core": "spine-core links",
+}
 
 
 def _round(value) -> float:

@@ -1,5 +1,5 @@
 """The ``diffcost`` command line: predict, validate, explain, search, sweep, suggest,
-shard-embeddings, plugins.
+shard-embeddings, design, plugins.
 
 One module per command (``diffcost.cli.predict``, ``validate``, ``explain``, ``search``,
 ``sweep``, ``suggest``), each with ``register(subparsers)``, which adds the command's subparser
@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from diffcost.cache import enable_compilation_cache
-from diffcost.cli import dlrm, explain, predict, search, suggest, sweep, validate
+from diffcost.cli import design, dlrm, explain, predict, search, suggest, sweep, validate
 from diffcost.config import ConfigError
 
 ENTRY_POINT_GROUP = "diffcost.commands"
@@ -36,6 +36,7 @@ BUILTIN = (
     sweep.register,
     suggest.register,
     dlrm.register,
+    design.register,
 )
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, OSError)
 

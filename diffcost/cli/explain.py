@@ -31,6 +31,12 @@ def register(subparsers) -> None:
     common.add_json_argument(e)
     e.add_argument("--top", type=int, metavar="N", help="only the N largest magnitudes")
     common.add_profile_argument(e)
+    e.add_argument(
+        "--topology",
+        metavar="TOPOLOGY",
+        help="also the elasticity to each link class of this topology (a preset, a file, or "
+        "'cluster' for the cluster's own graph)",
+    )
     e.set_defaults(func=run)
 
 
@@ -120,6 +126,41 @@ def print_table(exp: Experiment, d: dict) -> None:
     console.print(f"[dim]dim rows: calibrated constants; {d['constants']}[/]")
 
 
+def load_topology(name: str, exp: Experiment):
+    """The topology ``--topology`` names: a preset or file, or ``cluster`` for the graph of
+    the experiment's cluster (as many nodes as the plan needs).
+
+    Raises:
+        ConfigError: an unknown preset or a bad file.
+    """
+    from diffcost.network import generators, load
+
+    if name == "cluster":
+        nodes = -(-exp.plan.n_gpus // exp.cluster.gpus_per_node)
+        return generators.from_cluster(exp.cluster, nodes)
+    return load.load_topology(name)
+
+
+def print_link_classes(d: dict) -> None:
+    """Print the link-class elasticities of ``explain(..., topology=...)``."""
+    rows = [
+        (
+            r["name"],
+            f"{r['links']:,}",
+            f"{r['capacity_GBps']:,.0f} GB/s",
+            format_elasticity(r["elasticity"]),
+            reading(r["elasticity"]),
+        )
+        for r in d["link_classes"]
+    ]
+    title = (
+        f"d ln T / d ln capacity per link class (collectives priced on the graph: iteration "
+        f"{d['graph_iteration_s']:.4g} s)"
+    )
+    columns = ("link class", "links", "capacity", "elasticity", "reading")
+    Console().print(common.make_table(title, columns, rows))
+
+
 def run(args: argparse.Namespace) -> int:
     """Explain one experiment: the table, or the JSON object with ``--json``.
 
@@ -135,10 +176,13 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None:
         common.check_at_least("--top", args.top, 1)
     exp = config_mod.load_experiment(args.config, args.overrides)
-    d = explain_mod.explain(exp, profile=args.profile)
+    topology = None if args.topology is None else load_topology(args.topology, exp)
+    d = explain_mod.explain(exp, profile=args.profile, topology=topology)
     d["elasticities"] = d["elasticities"][: args.top]
     if args.json:
         common.print_json(d)
     else:
         print_table(exp, d)
+        if topology is not None:
+            print_link_classes(d)
     return 0
