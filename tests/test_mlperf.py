@@ -70,20 +70,19 @@ def test_head_tokens_must_be_a_fraction():
 
 
 @needs_data
-def test_reads_every_row_and_represents_bert_and_llama_lora():
+def test_reads_every_row_and_represents_four_benchmarks():
     rows, meas = mlperf.load(MLPERF_CSV)
     assert len(rows) == 141
     benchmarks = [r.source_name.split("/")[-1] for r in meas.e2e]
-    assert benchmarks.count("bert") == sum(r.benchmark == "bert" for r in rows)
-    assert benchmarks.count("llama2_70b_lora") == sum(
-        r.benchmark == "llama2_70b_lora" for r in rows
-    )
+    for b in ("bert", "llama2_70b_lora", "resnet", "dlrm_dcnv2"):
+        assert benchmarks.count(b) == sum(r.benchmark == b for r in rows), b
     assert len(meas.e2e) + len(meas.skipped) == len(rows)
     for _, why in meas.skipped:
         bench = why.split(":")[0]
         assert bench in mlperf.NOT_REPRESENTED and why.endswith(mlperf.NOT_REPRESENTED[bench])
     for r in meas.e2e:
-        assert r.plan.n_gpus == rows[r.row - 1].n_gpus
+        n_gpus = r.plan.n_gpus if isinstance(r, E2ERecord) else r.n_gpus
+        assert n_gpus == rows[r.row - 1].n_gpus
         assert r.measured_iter_s == rows[r.row - 1].iter_s
 
 
@@ -103,6 +102,11 @@ def test_rows_become_the_implementations_plans():
     assert (h200.plan.tp, h200.plan.dp) == (2, 4)
     assert any("contradict" in d for d in h200.defaults)
     assert lora.cluster.name == "dgx-h100" and h200.cluster.name == "dgx-h200"
+    assert bert.plan.cuda_graphs
+    resnet = by_system[("eos_n8_ngc24.04_mxnet", "resnet")]
+    assert (resnet.n_gpus, resnet.local_batch, resnet.zoo_model) == (64, 50, "resnet50")
+    dlrm = by_system[("eos_n16_ngc24.04_merlin_hugectr", "dlrm_dcnv2")]
+    assert (dlrm.n_gpus, dlrm.spec.batch_size, len(dlrm.spec.tables)) == (128, 135168, 26)
 
 
 def _write(tmp_path, edit):
