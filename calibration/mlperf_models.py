@@ -8,10 +8,12 @@ parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``diffcost.dlrm_co
   runs), per-GPU batch ``global_batch / (n_gpus * accumulation)``, LARS (taken as the
   optimizer traffic of ``Params.optimizer_bytes_per_param``). The graph is the zoo's flax
   ResNet-50 (``diffcost.zoo``) traced by ``from_jax`` in fp16 at that batch, priced by
-  ``opgraph.data_parallel``. Not represented: the implementation's fused kernels (convolution
-  with batch-norm statistics, batch-norm with ReLU and the residual add) and CUDA-graph replay:
-  the traced graph launches one kernel per unfused operator; the calibration's offsets on the
-  memory-bound efficiency and the per-kernel time absorb both.
+  ``opgraph.data_parallel``. The backward recomputes the normalization and activations from
+  the saved convolution outputs (``saves_products``), as fused batch-norm kernels do. Not
+  represented: the kernel fusions themselves (convolution with batch-norm statistics,
+  batch-norm with ReLU and the residual add) and CUDA-graph replay: the traced graph
+  launches one kernel per fused group of XLA-fusible operators; the calibration's offsets on
+  the memory-bound efficiency and the per-kernel time absorb the difference.
 * **DLRM-DCNv2** (``dlrm_dcnv2``): ``configs/dlrm/dlrm-dcnv2.yaml`` (the reference's 26 Criteo
   1TB multi-hot tables, dimension 128, DCNv2 3 x rank 512) at the row's global batch on its
   GPUs, priced by ``dlrm_cost`` under the greedy (TorchRec-planner-like) sharding plan of
@@ -119,6 +121,15 @@ def dlrm_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> Dlrm
     )
 
 
+def saves_products(primitive, *_, **__) -> bool:
+    """``jax.checkpoint`` policy: keep only convolution and matrix-product outputs for the
+    backward, recompute everything else. Fused batch-norm kernels (cuDNN's, as NVIDIA's MXNet
+    ResNet uses) keep the convolution output and the per-channel statistics and recompute the
+    normalization and activation in their backward, where autodiff of the unfused operators
+    would store every intermediate."""
+    return primitive.name in ("conv_general_dilated", "dot_general")
+
+
 @functools.lru_cache(maxsize=32)
 def zoo_graph_arrays(name: str, batch: int) -> GraphArrays:
     """``graph_arrays`` of zoo model ``name`` at ``batch`` samples per GPU, traced in fp16."""
@@ -129,7 +140,8 @@ def zoo_graph_arrays(name: str, batch: int) -> GraphArrays:
         return jax.ShapeDtypeStruct(a.shape, RESNET_DTYPE) if floating else a
 
     args = jax.tree.map(half, m.args)
-    return graph_arrays(from_jax(m.fn, *args, argnums=m.argnums))
+    fn = jax.checkpoint(m.fn, policy=saves_products)
+    return graph_arrays(from_jax(fn, *args, argnums=m.argnums))
 
 
 @functools.lru_cache(maxsize=4)

@@ -10,8 +10,13 @@ from helpers import CLUSTER, GPT, PLANS, SHARED_DATA, arrays
 from calibration import mlperf
 from calibration import mlperf_fit as fit
 from calibration.mlperf_fit import submitter_halves
+from calibration.mlperf_models import GraphRecord, zoo_graph_arrays, zoo_param_count
+from calibration.mlperf_rows import GraphRows
 from calibration.records import E2ERecord, ReaderError
 from diffcost import config, default_params, kernels, workload
+from diffcost.arrays import cluster_arrays
+from diffcost.opgraph.data_parallel import data_parallel_step_s
+from diffcost.profiles import params_for
 from diffcost.specs import PlanSpec
 
 MLPERF_CSV = SHARED_DATA / "e2e" / "mlperf_training_v4.0.csv"
@@ -202,3 +207,30 @@ def test_the_fit_recovers_offsets_that_generated_the_times():
     assert resid.max() < 0.5 * before.min()
     assert resid[2:].max() < 1.5 * resid[:2].max()  # held out as good as fitted
     np.testing.assert_array_equal(fit.fit_offsets(rows, np.zeros(4), settings, step), 0.0)
+
+
+def test_graph_rows_price_each_row_as_its_data_parallel_step():
+    """``GraphRows`` at zero offsets is ``data_parallel_step_s`` of each row on its shipped
+    profile; the fit's offsets move it (a faster memory-bound pass shortens every row)."""
+    cluster = config.load_cluster("dgx-h100")
+    records = [
+        GraphRecord("resnet", "small_cnn", cluster, n, b, 0.01, "synthetic", i, (), None)
+        for i, (n, b) in enumerate([(8, 16), (64, 4)])
+    ]
+    rows = GraphRows.of(records)
+    got = np.exp(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))))
+    n_params = zoo_param_count("small_cnn")
+    for r, t in zip(records, got):
+        step = data_parallel_step_s(
+            zoo_graph_arrays("small_cnn", r.local_batch),
+            float(r.n_gpus),
+            n_params,
+            2.0 * n_params,
+            cluster_arrays(cluster),
+            params_for(cluster)[0],
+            1e-3,
+        )
+        np.testing.assert_allclose(t, step.iteration_s, rtol=1e-9)
+    raw = np.zeros(rows.n_offsets)
+    raw[fit.LEAVES.index("mem_eff_logit")] = 1.0
+    assert (np.asarray(fit.predict_log(rows, raw)) < np.log(got)).all()
