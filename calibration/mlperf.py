@@ -6,8 +6,9 @@ Two steps (column meanings in ``shared/data/README.md`` section 1b):
   ``ReaderError`` (``file:line: column 'x': ...`` with the value and what would be valid);
 * ``to_record`` turns a row into an ``E2ERecord`` (model, plan, cluster, measured seconds per
   optimizer step) or raises ``NotRepresented`` with the reason: the transformer core represents
-  BERT-large and Llama-2 70B LoRA; the CNNs, DLRM, the GNN and Stable Diffusion need the
-  operator-graph and embedding models.
+  BERT-large and Llama-2 70B LoRA; ResNet-50 (an operator graph) and DLRM-DCNv2 (embedding
+  tables) become ``calibration.mlperf_models`` records; SSD, 3D U-Net, the GNN and Stable
+  Diffusion have no model.
 
 What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecord.defaults``):
 
@@ -20,7 +21,8 @@ What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecor
   over 50% of the tokens of this Wikipedia data at length 512, so a sample is taken as
   ``UNPADDED_SEQ_LEN`` = 256 tokens. The masked-LM head runs on the masked tokens only
   (``--dense_seq_output``): ``MASKED_FRACTION`` = 15% of them (BERT's masking rate; MLPerf's
-  data generator masks 15%, at most 76 of 512), ``ModelSpec.head_tokens``.
+  data generator masks 15%, at most 76 of 512), ``ModelSpec.head_tokens``. NVIDIA's BERT replays
+  CUDA graphs (``PlanSpec.cuda_graphs``: no host dispatch per op).
 * **Llama-2 70B LoRA** (``llama2_70b_lora``): NVIDIA's NeMo implementation (every row's
   gradient accumulation fits NeMo's configs), conf/megatron_gpt_peft_tuning_config.yaml:
   LoRA rank 16 on the attention projections, FP8 layers, sequence parallel, sequence 8,192,
