@@ -43,7 +43,13 @@ import math
 import re
 from pathlib import Path
 
-from calibration.mlperf_models import DlrmRecord, GraphRecord, dlrm_record, resnet_record
+from calibration.mlperf_models import (
+    DlrmRecord,
+    GraphRecord,
+    dlrm_record,
+    resnet_record,
+    unet3d_record,
+)
 from calibration.records import CsvTable, E2ERecord, Measurements, ReaderError, Source
 from diffcost import config
 from diffcost.specs import PlanSpec
@@ -61,7 +67,6 @@ BENCHMARKS = (
 # Why the transformer core cannot represent the other benchmarks.
 NOT_REPRESENTED = {
     "ssd": "SSD (RetinaNet, ResNeXt-50 backbone, FPN, 800x800) is a CNN detector: no zoo model",
-    "unet3d": "3D U-Net (KiTS19) is a 3-D CNN: no zoo model",
     "gnn": "R-GAT is a graph neural network with neighbour sampling: no model for it",
     "stable_diffusion": "Stable Diffusion v2 (U-Net, VAE, text encoder): no zoo model",
 }
@@ -79,14 +84,20 @@ REQUIRED = (
     "notes",
 )
 # benchmarks priced outside the transformer core: row -> record (``calibration.mlperf_models``)
-GRAPH_BENCHMARKS = {"resnet": resnet_record, "dlrm_dcnv2": dlrm_record}
+GRAPH_BENCHMARKS = {"resnet": resnet_record, "unet3d": unet3d_record, "dlrm_dcnv2": dlrm_record}
 # accelerator cell -> {GPUs per node: cluster preset}
 ACCELERATORS = {
     "NVIDIA H100-SXM5-80GB": {8: "dgx-h100", 4: "hgx-h100-4gpu"},
     "NVIDIA H100-SXM-80GB": {8: "dgx-h100", 4: "hgx-h100-4gpu"},
     "NVIDIA H100-PCIe-80GB": {8: "pcie-h100", 4: "pcie-h100"},
     "NVIDIA H200-SXM5-141GB": {8: "dgx-h200"},
-    "NVIDIA L40S": {4: "pcie-l40s", 8: "pcie-l40s-8gpu", 16: "pcie-l40s-16gpu"},
+    # 14 of the 16 L40S of Fujitsu's composable PCIe domain (its 3D U-Net row)
+    "NVIDIA L40S": {
+        4: "pcie-l40s",
+        8: "pcie-l40s-8gpu",
+        14: "pcie-l40s-16gpu",
+        16: "pcie-l40s-16gpu",
+    },
     "NVIDIA A100-SXM4-80GB": {8: "selene-a100-80g"},
 }
 # tokens of one BERT phase-2 sample without padding: half of 512 (Krell et al. 2021: padding is

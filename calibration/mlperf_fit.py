@@ -4,10 +4,13 @@ Every MLPerf benchmark is run by one tuned implementation (NVIDIA's PyTorch BERT
 graphs and fused kernels; NeMo for Llama-2 70B LoRA) on every system. What sets it apart from
 the stacks the shipped profiles were fitted on is what a ``diffcost.stacks`` offset describes:
 kernel efficiencies, host work per op and microbatch, how much of it hides, per-iteration
-overhead. ``fit_offsets`` fits those offsets (``STACK_EFFECTS``, one raw offset each, on top
-of each row's shipped profile and stack), plus one GEMM-efficiency offset per GPU family (the
-device level: the shipped profiles have none for L40S and H200), to the rows of one half; the
-other half is predicted with them.
+overhead. ``fit_offsets`` fits those offsets (``FITTED_EFFECTS``: ``STACK_EFFECTS`` and the
+per-kernel time, one raw offset each, on top of each row's shipped profile and stack), plus
+one GEMM-efficiency offset per GPU family (the device level: the shipped profiles have none for
+L40S and H200), to the rows of one half; the other half is predicted with them. A row set is
+``Rows`` (the transformer core's ``simulate``) or one of ``calibration.mlperf_rows``'
+(operator-graph and DLRM rows): anything with ``log_times(raw, temperature)``,
+``n_offsets`` and ``log_meas``.
 
 The halves (``submitter_halves``) split a benchmark's rows by submitter, so that a system's
 rows, and a submitter's other systems, are never on both sides. Each half is fitted once and

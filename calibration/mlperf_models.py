@@ -14,6 +14,10 @@ parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``diffcost.dlrm_co
   batch-norm with ReLU and the residual add) and CUDA-graph replay: the traced graph
   launches one kernel per fused group of XLA-fusible operators; the calibration's offsets on
   the memory-bound efficiency and the per-kernel time absorb the difference.
+* **3D U-Net** (``unet3d``): NVIDIA's MXNet implementation, as ResNet-50: the zoo's
+  ``UNet3D`` (the reference's model/unet3d.py) on 128^3 patches, fp16, data parallel at the
+  row's per-GPU batch (7 on 8 GPUs). Rows with fewer samples than GPUs (72 and 768 GPUs at a
+  global batch of 56 and 84) split samples spatially: not represented.
 * **DLRM-DCNv2** (``dlrm_dcnv2``): ``configs/dlrm/dlrm-dcnv2.yaml`` (the reference's 26 Criteo
   1TB multi-hot tables, dimension 128, DCNv2 3 x rank 512) at the row's global batch on its
   GPUs, priced by ``dlrm_cost`` under the greedy (TorchRec-planner-like) sharding plan of
@@ -39,8 +43,9 @@ from diffcost.opgraph.pricing import GraphArrays
 from diffcost.profiles import params_for
 from diffcost.specs import ClusterSpec
 
-RESNET_DTYPE = jnp.float16  # NVIDIA's MXNet ResNet trains in fp16 (NHWC, loss scaling)
-RESNET_GRAD_BYTES = 2  # Horovod all-reduces the fp16 gradients
+# NVIDIA's MXNet ResNet and 3D U-Net train in fp16 (loss scaling) and all-reduce fp16 gradients
+GRAPH_DTYPE = jnp.float16
+GRAPH_GRAD_BYTES = 2
 DLRM_PRESET = "dlrm-dcnv2"
 
 
@@ -75,20 +80,23 @@ class DlrmRecord:
     where: Source
 
 
-def resnet_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> GraphRecord:
-    """The ResNet-50 row as a data-parallel graph run (``ValueError``: a batch that does not
-    split evenly over the GPUs)."""
+def graph_record(
+    row, cluster: ClusterSpec, used: list[str], row_no: int, zoo_model: str
+) -> GraphRecord:
+    """The row as a data-parallel run of ``zoo_model`` (``ValueError``: a batch that does not
+    split evenly over the GPUs, as when an implementation splits samples spatially)."""
     local = row.global_batch / (row.n_gpus * row.grad_accumulation)
     if local != int(local):
         raise ValueError(
             f"global batch {row.global_batch} is not a multiple of {row.n_gpus} GPUs x "
-            f"{row.grad_accumulation} accumulation steps"
+            f"{row.grad_accumulation} accumulation steps (the implementation splits samples "
+            "over GPUs: spatial parallelism is not represented)"
         )
-    used += ["zoo=resnet50", "precision=fp16", "dp=n_gpus", f"batch_per_gpu={int(local)}"]
+    used += [f"zoo={zoo_model}", "precision=fp16", "dp=n_gpus", f"batch_per_gpu={int(local)}"]
     used.append("fp16 gradient all-reduce overlapped with the backward")
     return GraphRecord(
         row.benchmark,
-        "resnet50",
+        zoo_model,
         cluster,
         row.n_gpus,
         int(local),
@@ -98,6 +106,10 @@ def resnet_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> Gr
         tuple(used),
         row.where,
     )
+
+
+resnet_record = functools.partial(graph_record, zoo_model="resnet50")
+unet3d_record = functools.partial(graph_record, zoo_model="unet3d")
 
 
 def dlrm_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> DlrmRecord:
@@ -137,7 +149,7 @@ def zoo_graph_arrays(name: str, batch: int) -> GraphArrays:
 
     def half(a):
         floating = jnp.issubdtype(a.dtype, jnp.floating)
-        return jax.ShapeDtypeStruct(a.shape, RESNET_DTYPE) if floating else a
+        return jax.ShapeDtypeStruct(a.shape, GRAPH_DTYPE) if floating else a
 
     args = jax.tree.map(half, m.args)
     fn = jax.checkpoint(m.fn, policy=saves_products)

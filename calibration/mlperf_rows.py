@@ -19,7 +19,7 @@ from flax import struct
 
 from calibration.mlperf_fit import FamilyOffsets, families_of, offsets_of
 from calibration.mlperf_models import (
-    RESNET_GRAD_BYTES,
+    GRAPH_GRAD_BYTES,
     DlrmRecord,
     GraphRecord,
     dlrm_problem_plan,
@@ -59,7 +59,7 @@ class GraphRows(FamilyOffsets):
             graph=stack(graphs),
             n_gpus=np.array([r.n_gpus for r in records], float),
             n_params=n_params,
-            grad_bytes=n_params * RESNET_GRAD_BYTES,
+            grad_bytes=n_params * GRAPH_GRAD_BYTES,
             cluster=stack([cluster_arrays(r.cluster) for r in records]),
             params=stack([params_for(r.cluster)[0] for r in records]),
             log_meas=np.log([r.measured_iter_s for r in records]),

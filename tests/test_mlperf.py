@@ -84,7 +84,11 @@ def test_reads_every_row_and_represents_four_benchmarks():
     assert len(meas.e2e) + len(meas.skipped) == len(rows)
     for _, why in meas.skipped:
         bench = why.split(":")[0]
+        if bench == "unet3d":  # 72 and 768 GPUs at 56 and 84 samples: spatial parallelism
+            assert "spatial parallelism" in why
+            continue
         assert bench in mlperf.NOT_REPRESENTED and why.endswith(mlperf.NOT_REPRESENTED[bench])
+    assert benchmarks.count("unet3d") == sum(r.benchmark == "unet3d" for r in rows) - 3
     for r in meas.e2e:
         n_gpus = r.plan.n_gpus if isinstance(r, E2ERecord) else r.n_gpus
         assert n_gpus == rows[r.row - 1].n_gpus
