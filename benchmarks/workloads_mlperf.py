@@ -1,8 +1,8 @@
 """MLPerf Training v4.0: predicted against measured seconds per optimizer step, per benchmark.
 
-Reads ``e2e/mlperf_training_v4.0.csv`` of the shared data (``calibration.mlperf``: BERT-large
-and Llama-2 70B LoRA are represented, the other benchmarks listed with the reason), predicts
-every represented row
+Reads ``e2e/mlperf_training_v4.0.csv`` of the shared data (``calibration.mlperf``: BERT-large,
+Llama-2 70B LoRA, ResNet-50 and DLRM-DCNv2 are represented, the other benchmarks listed with
+the reason), predicts every represented row
 
 * **zero-shot**: on its cluster's shipped profiles and its implementation's stack
   (``diffcost.profiles.params_for``), nothing fitted to MLPerf;
@@ -34,6 +34,8 @@ import numpy as np  # noqa: E402
 
 from calibration import mlperf  # noqa: E402
 from calibration import mlperf_fit as fit  # noqa: E402
+from calibration.mlperf_models import DlrmRecord, GraphRecord  # noqa: E402
+from calibration.mlperf_rows import DlrmRows, GraphRows  # noqa: E402
 from calibration.records import ReaderError  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
@@ -46,19 +48,25 @@ def _mape(pred_s, meas_s) -> float | None:
     return float(np.mean(np.abs(np.asarray(pred_s) / np.asarray(meas_s) - 1.0)) * 100.0)
 
 
-def _heldout(rows: fit.Rows, bench: np.ndarray, halves: np.ndarray, settings) -> np.ndarray:
-    """log predictions of every row by the offsets fitted to the other half of its benchmark
-    (one compiled step for every fit: the rows of other benchmarks weigh 0)."""
-    step = fit.make_step(settings)
-    out = np.zeros(len(bench))
+def _row_set(records):
+    """The fit's row set of one benchmark's records (all of one kind)."""
+    if isinstance(records[0], GraphRecord):
+        return GraphRows.of(records)
+    if isinstance(records[0], DlrmRecord):
+        return DlrmRows.of(records)
+    return fit.Rows.of(records)
+
+
+def _predict(records, bench: np.ndarray, halves: np.ndarray, settings):
+    """(zero-shot, held-out calibrated) seconds of every record, one benchmark at a time."""
+    zero, calibrated = np.zeros(len(records)), np.zeros(len(records))
     for b in sorted(set(bench)):
-        for h in (0, 1):
-            weight = ((bench == b) & (halves != h)).astype(float)
-            raw = fit.fit_offsets(rows, weight, settings, step)
-            pred = np.asarray(fit.predict_log(rows, raw, settings.temperature))
-            mine = (bench == b) & (halves == h)
-            out[mine] = pred[mine]
-    return out
+        idx = np.flatnonzero(bench == b)
+        rows = _row_set([records[i] for i in idx])
+        zero[idx] = np.exp(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))))
+        log_pred, _ = fit.heldout_log_pred(rows, halves[idx], settings)
+        calibrated[idx] = np.exp(log_pred)
+    return zero, calibrated
 
 
 def _halves(records, csv_rows, bench: np.ndarray) -> np.ndarray:
@@ -90,12 +98,10 @@ def measure(quick: bool = False, data: Path = DATA) -> dict:
     csv_rows, meas = mlperf.load(Path(data) / "e2e" / "mlperf_training_v4.0.csv")
     records = meas.e2e
     settings = fit.FitSettings(steps=QUICK_STEPS) if quick else fit.FitSettings()
-    rows = fit.Rows.of(records)
     bench = np.array([r.source_name.split("/")[-1] for r in records])
     halves = _halves(records, csv_rows, bench)
     measured = np.array([r.measured_iter_s for r in records])
-    zero = np.exp(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))))
-    calibrated = np.exp(_heldout(rows, bench, halves, settings))
+    zero, calibrated = _predict(records, bench, halves, settings)
     accel = [csv_rows[r.row - 1].accelerator for r in records]
     per_bench = _summary(bench, measured, zero, calibrated)
     out = {}
@@ -127,7 +133,7 @@ def measure(quick: bool = False, data: Path = DATA) -> dict:
             "benchmark": b,
             "accelerator": a,
             "cluster": r.cluster.name,
-            "n_gpus": r.plan.n_gpus,
+            "n_gpus": csv_rows[r.row - 1].n_gpus,
             "half": int(h),
             "measured_s": float(m),
             "zero_shot_s": float(z),

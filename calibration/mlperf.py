@@ -6,8 +6,9 @@ Two steps (column meanings in ``shared/data/README.md`` section 1b):
   ``ReaderError`` (``file:line: column 'x': ...`` with the value and what would be valid);
 * ``to_record`` turns a row into an ``E2ERecord`` (model, plan, cluster, measured seconds per
   optimizer step) or raises ``NotRepresented`` with the reason: the transformer core represents
-  BERT-large and Llama-2 70B LoRA; the CNNs, DLRM, the GNN and Stable Diffusion need the
-  operator-graph and embedding models.
+  BERT-large and Llama-2 70B LoRA; ResNet-50 (an operator graph) and DLRM-DCNv2 (embedding
+  tables) become ``calibration.mlperf_models`` records; SSD, 3D U-Net, the GNN and Stable
+  Diffusion have no model.
 
 What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecord.defaults``):
 
@@ -20,7 +21,8 @@ What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecor
   over 50% of the tokens of this Wikipedia data at length 512, so a sample is taken as
   ``UNPADDED_SEQ_LEN`` = 256 tokens. The masked-LM head runs on the masked tokens only
   (``--dense_seq_output``): ``MASKED_FRACTION`` = 15% of them (BERT's masking rate; MLPerf's
-  data generator masks 15%, at most 76 of 512), ``ModelSpec.head_tokens``.
+  data generator masks 15%, at most 76 of 512), ``ModelSpec.head_tokens``. NVIDIA's BERT replays
+  CUDA graphs (``PlanSpec.cuda_graphs``: no host dispatch per op).
 * **Llama-2 70B LoRA** (``llama2_70b_lora``): NVIDIA's NeMo implementation (every row's
   gradient accumulation fits NeMo's configs), conf/megatron_gpt_peft_tuning_config.yaml:
   LoRA rank 16 on the attention projections, FP8 layers, sequence parallel, sequence 8,192,
@@ -41,6 +43,13 @@ import math
 import re
 from pathlib import Path
 
+from calibration.mlperf_models import (
+    DlrmRecord,
+    GraphRecord,
+    dlrm_record,
+    resnet_record,
+    unet3d_record,
+)
 from calibration.records import CsvTable, E2ERecord, Measurements, ReaderError, Source
 from diffcost import config
 from diffcost.specs import PlanSpec
@@ -57,12 +66,9 @@ BENCHMARKS = (
 )
 # Why the transformer core cannot represent the other benchmarks.
 NOT_REPRESENTED = {
-    "resnet": "ResNet-50 is a CNN: convolutions need the operator-graph IR (issue 26 item 1)",
-    "ssd": "SSD (RetinaNet, ResNeXt-50) is a CNN detector: needs the operator-graph IR",
-    "unet3d": "3D U-Net is a 3-D CNN: needs the operator-graph IR",
-    "dlrm_dcnv2": "DLRM-DCNv2 is embedding tables + MLPs: needs the DLRM model (issue 26 item 4)",
+    "ssd": "SSD (RetinaNet, ResNeXt-50 backbone, FPN, 800x800) is a CNN detector: no zoo model",
     "gnn": "R-GAT is a graph neural network with neighbour sampling: no model for it",
-    "stable_diffusion": "Stable Diffusion (U-Net, VAE, text encoder) needs the operator-graph IR",
+    "stable_diffusion": "Stable Diffusion v2 (U-Net, VAE, text encoder): no zoo model",
 }
 REQUIRED = (
     "submitter",
@@ -77,13 +83,22 @@ REQUIRED = (
     "iter_s_median",
     "notes",
 )
+# benchmarks priced outside the transformer core: row -> record (``calibration.mlperf_models``)
+GRAPH_BENCHMARKS = {"resnet": resnet_record, "unet3d": unet3d_record, "dlrm_dcnv2": dlrm_record}
 # accelerator cell -> {GPUs per node: cluster preset}
 ACCELERATORS = {
     "NVIDIA H100-SXM5-80GB": {8: "dgx-h100", 4: "hgx-h100-4gpu"},
     "NVIDIA H100-SXM-80GB": {8: "dgx-h100", 4: "hgx-h100-4gpu"},
     "NVIDIA H100-PCIe-80GB": {8: "pcie-h100", 4: "pcie-h100"},
     "NVIDIA H200-SXM5-141GB": {8: "dgx-h200"},
-    "NVIDIA L40S": {4: "pcie-l40s", 16: "pcie-l40s-16gpu"},
+    # 14 of the 16 L40S of Fujitsu's composable PCIe domain (its 3D U-Net row)
+    "NVIDIA L40S": {
+        4: "pcie-l40s",
+        8: "pcie-l40s-8gpu",
+        14: "pcie-l40s-16gpu",
+        16: "pcie-l40s-16gpu",
+    },
+    "NVIDIA A100-SXM4-80GB": {8: "selene-a100-80g"},
 }
 # tokens of one BERT phase-2 sample without padding: half of 512 (Krell et al. 2021: padding is
 # over 50% of the tokens at length 512)
@@ -233,6 +248,7 @@ def _bert(row: MlperfRow, used: list[str]):
             f"{row.grad_accumulation} accumulation steps"
         )
     used += ["precision=fp16", "dp=n_gpus", "microbatch=global/(n_gpus*accumulation)"]
+    used.append("cuda_graphs (no host dispatch per op)")
     used.append(f"seq_len={UNPADDED_SEQ_LEN} (unpadded)")
     used.append(f"head_tokens={MASKED_FRACTION} (masked-LM head on the masked tokens)")
     model = dataclasses.replace(
@@ -246,6 +262,7 @@ def _bert(row: MlperfRow, used: list[str]):
         microbatch=int(local),
         global_batch=row.global_batch,
         grad_reduce_fp32=False,
+        cuda_graphs=True,
     )
     return model, plan, None
 
@@ -291,7 +308,7 @@ def _llama_lora(row: MlperfRow, cluster: str, used: list[str]):
     return model, plan, "megatron-core"
 
 
-def to_record(row: MlperfRow, row_no: int = 0) -> E2ERecord:
+def to_record(row: MlperfRow, row_no: int = 0) -> E2ERecord | GraphRecord | DlrmRecord:
     """The row as a training run on its cluster preset (assumptions in ``defaults``).
 
     Raises:
@@ -301,6 +318,13 @@ def to_record(row: MlperfRow, row_no: int = 0) -> E2ERecord:
         raise NotRepresented(NOT_REPRESENTED[row.benchmark])
     cluster_name = cluster_for(row)
     used: list[str] = [f"cluster={cluster_name}"]
+    if row.benchmark in GRAPH_BENCHMARKS:
+        try:
+            return GRAPH_BENCHMARKS[row.benchmark](
+                row, config.load_cluster(cluster_name), used, row_no
+            )
+        except ValueError as e:
+            raise NotRepresented(str(e)) from None
     if row.benchmark == "bert":
         model, plan, stack = _bert(row, used)
     else:

@@ -4,10 +4,13 @@ Every MLPerf benchmark is run by one tuned implementation (NVIDIA's PyTorch BERT
 graphs and fused kernels; NeMo for Llama-2 70B LoRA) on every system. What sets it apart from
 the stacks the shipped profiles were fitted on is what a ``diffcost.stacks`` offset describes:
 kernel efficiencies, host work per op and microbatch, how much of it hides, per-iteration
-overhead. ``fit_offsets`` fits those offsets (``STACK_EFFECTS``, one raw offset each, on top
-of each row's shipped profile and stack), plus one GEMM-efficiency offset per GPU family (the
-device level: the shipped profiles have none for L40S and H200), to the rows of one half; the
-other half is predicted with them.
+overhead. ``fit_offsets`` fits those offsets (``FITTED_EFFECTS``: ``STACK_EFFECTS`` and the
+per-kernel time, one raw offset each, on top of each row's shipped profile and stack), plus
+one GEMM-efficiency offset per GPU family (the device level: the shipped profiles have none for
+L40S and H200), to the rows of one half; the other half is predicted with them. A row set is
+``Rows`` (the transformer core's ``simulate``) or one of ``calibration.mlperf_rows``'
+(operator-graph and DLRM rows): anything with ``log_times(raw, temperature)``,
+``n_offsets`` and ``log_meas``.
 
 The halves (``submitter_halves``) split a benchmark's rows by submitter, so that a system's
 rows, and a submitter's other systems, are never on both sides. Each half is fitted once and
@@ -34,7 +37,7 @@ from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.gpus import gpu_family
 from diffcost.profiles import params_for
 from diffcost.simulate import simulate
-from diffcost.stacks import STACK_EFFECTS, apply_stack
+from diffcost.stacks import STACK_EFFECTS, StackEffect, apply_stack
 
 # Spread of log(measured / predicted) the likelihood allows: about 10% (assumed; the runs of
 # one row spread by 0.1-2%, the model's own error is the larger part)
@@ -42,8 +45,13 @@ NOISE_LOG = 0.1
 # Huber's penalty on the log residuals, quadratic up to this (``calibration.fit``'s default):
 # one row the model misses by a factor (BERT on 3,472 GPUs) pulls no harder than a 20% one
 HUBER_DELTA = FitConfig.huber_delta
-LEAVES = tuple(e.leaf for e in STACK_EFFECTS)
-PRIOR_SD = np.array([e.prior_sd for e in STACK_EFFECTS])
+# The stack offsets, plus the time of one kernel on the GPU (``kernel_overhead_s``, a device
+# constant of the shipped profiles measured on eagerly launched kernels): an implementation
+# that replays CUDA graphs and fuses operators moves it, as it moves the host time per op. Its
+# width is the stack effects' for host costs.
+FITTED_EFFECTS = (*STACK_EFFECTS, StackEffect("kernel_overhead_log_s", 0.7))
+LEAVES = tuple(e.leaf for e in FITTED_EFFECTS)
+PRIOR_SD = np.array([e.prior_sd for e in FITTED_EFFECTS])
 # Per GPU family, one more offset on the GEMM efficiency (the device level of the shipped
 # profiles): how far the benchmark's kernels on that GPU sit from the profile or datasheet, with
 # the width of the stack's GEMM offset. A family without training rows keeps offset 0.
@@ -58,8 +66,17 @@ class FitSettings:
     temperature: float = 1e-3
 
 
+class FamilyOffsets:
+    """Row sets with a ``families`` tuple: the raw offset vector is ``LEAVES``, then one per
+    GPU family."""
+
+    @property
+    def n_offsets(self) -> int:
+        return len(LEAVES) + len(self.families)
+
+
 @struct.dataclass
-class Rows:
+class Rows(FamilyOffsets):
     """Training runs as stacked arrays, each on its shipped profile and stack."""
 
     model: object
@@ -70,17 +87,11 @@ class Rows:
     family: np.ndarray  # index of each row's GPU family in ``families``
     families: tuple = struct.field(pytree_node=False)
 
-    @property
-    def n_offsets(self) -> int:
-        """Length of the raw offset vector: ``LEAVES``, then one per GPU family."""
-        return len(LEAVES) + len(self.families)
-
     @classmethod
     def of(cls, records: list[E2ERecord]) -> Rows:
-        fams = [gpu_family(r.cluster.gpu.name) for r in records]
-        families = tuple(sorted(set(fams)))
+        family, families = families_of(records)
         return cls(
-            family=np.array([families.index(f) for f in fams]),
+            family=family,
             families=families,
             model=stack([model_arrays(r.model) for r in records]),
             plan=stack([plan_arrays(r.plan) for r in records]),
@@ -89,29 +100,39 @@ class Rows:
             log_meas=np.log([r.measured_iter_s for r in records]),
         )
 
+    def log_times(self, raw, temperature):
+        """log seconds per step of every row under the offsets ``raw``."""
 
-def _offsets(raw, family) -> dict:
-    """The stack offsets of ``raw`` with the row's family offset added to ``FAMILY_LEAF``."""
+        def one(m, p, c, params, family):
+            params = apply_stack(params, offsets_of(raw, family))
+            return simulate(m, p, c, params, temperature).iteration_s
+
+        return jnp.log(jax.vmap(one)(self.model, self.plan, self.cluster, self.params, self.family))
+
+
+def families_of(records) -> tuple[np.ndarray, tuple[str, ...]]:
+    """(index of each record's GPU family in the sorted families, the families)."""
+    fams = [gpu_family(r.cluster.gpu.name) for r in records]
+    families = tuple(sorted(set(fams)))
+    return np.array([families.index(f) for f in fams]), families
+
+
+def offsets_of(raw, family) -> dict:
+    """The offsets of ``raw`` (``LEAVES``, then one per family) with the row's family offset
+    added to ``FAMILY_LEAF``."""
     out = {leaf: raw[i] for i, leaf in enumerate(LEAVES)}
     out[FAMILY_LEAF] = out[FAMILY_LEAF] + raw[len(LEAVES) + family]
     return out
 
 
-def predict_log(rows: Rows, raw, temperature: float = 1e-3):
-    """log of the predicted iteration time of every row with the offsets ``raw`` (``[n_offsets]``;
-    zeros: the shipped profiles as they are)."""
-
-    raw = jnp.asarray(raw)
-
-    def one(m, p, c, params, family):
-        params = apply_stack(params, _offsets(raw, family))
-        return simulate(m, p, c, params, temperature).iteration_s
-
-    times = jax.vmap(one)(rows.model, rows.plan, rows.cluster, rows.params, rows.family)
-    return jnp.log(times)
+def predict_log(rows, raw, temperature: float = 1e-3):
+    """log of the predicted iteration time of every row of ``rows`` (``Rows``, or
+    ``mlperf_rows.GraphRows`` / ``DlrmRows``) with the offsets ``raw`` (``[n_offsets]``; zeros:
+    the shipped profiles as they are)."""
+    return rows.log_times(jnp.asarray(raw), temperature)
 
 
-def prior_sd(rows: Rows) -> np.ndarray:
+def prior_sd(rows) -> np.ndarray:
     """Prior width of every raw offset: the stack effects', then ``FAMILY_SD`` per family."""
     return np.concatenate([PRIOR_SD, np.full(len(rows.families), FAMILY_SD)])
 

@@ -86,6 +86,9 @@ class PlanArrays:
     lora: jax.Array  # [0, 1]: 1 when the base weights are frozen (LoRA fine-tuning)
     lora_rank: jax.Array  # adapter rank (0 without LoRA)
     lora_targets: jax.Array  # [4] 1 where QKV, attention output, FC1, FC2 carry adapters
+    # 1.0: the step replays CUDA graphs (no host dispatch per op); a static setting of the
+    # implementation, not relaxed by the plan search (which keeps the default, eager launches)
+    cuda_graphs: float = struct.field(pytree_node=False, default=0.0)
 
     @property
     def n_microbatches(self):
@@ -181,6 +184,7 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
         schedule=_choice(specs.SCHEDULES, plan.schedule, f),
         order=f(order),
         **lora_leaves(plan.lora_rank, plan.lora_modules, f),
+        cuda_graphs=1.0 if plan.cuda_graphs else 0.0,
     )
 
 

@@ -259,7 +259,8 @@ def layer_parts_s(
     cp_s = _overlap(attention_s, twice * comms.cp_all_gather_s, kappa, temperature) - attention_s
     ep_s = 2.0 * comms.ep_all_to_all_s
     stream_s = kernel.layer_s + tp_s + cp_s + ep_s
-    host_s = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s * twice
+    eager = 1.0 - plan.cuda_graphs  # replayed CUDA graphs dispatch no op from the host
+    host_s = workload.HOST_OPS_PER_LAYER_FWD * params.host_op_s * twice * eager
     shape = _layer_shape_factor(work, model, plan, params)
     layer_s = _host_hidden(stream_s, host_s, params, temperature) * shape
     full = plan.recompute[2]

@@ -10,8 +10,13 @@ from helpers import CLUSTER, GPT, PLANS, SHARED_DATA, arrays
 from calibration import mlperf
 from calibration import mlperf_fit as fit
 from calibration.mlperf_fit import submitter_halves
+from calibration.mlperf_models import GraphRecord, zoo_graph_arrays, zoo_param_count
+from calibration.mlperf_rows import GraphRows
 from calibration.records import E2ERecord, ReaderError
 from diffcost import config, default_params, kernels, workload
+from diffcost.arrays import cluster_arrays
+from diffcost.opgraph.data_parallel import data_parallel_step_s
+from diffcost.profiles import params_for
 from diffcost.specs import PlanSpec
 
 MLPERF_CSV = SHARED_DATA / "e2e" / "mlperf_training_v4.0.csv"
@@ -70,20 +75,23 @@ def test_head_tokens_must_be_a_fraction():
 
 
 @needs_data
-def test_reads_every_row_and_represents_bert_and_llama_lora():
+def test_reads_every_row_and_represents_four_benchmarks():
     rows, meas = mlperf.load(MLPERF_CSV)
     assert len(rows) == 141
     benchmarks = [r.source_name.split("/")[-1] for r in meas.e2e]
-    assert benchmarks.count("bert") == sum(r.benchmark == "bert" for r in rows)
-    assert benchmarks.count("llama2_70b_lora") == sum(
-        r.benchmark == "llama2_70b_lora" for r in rows
-    )
+    for b in ("bert", "llama2_70b_lora", "resnet", "dlrm_dcnv2"):
+        assert benchmarks.count(b) == sum(r.benchmark == b for r in rows), b
     assert len(meas.e2e) + len(meas.skipped) == len(rows)
     for _, why in meas.skipped:
         bench = why.split(":")[0]
+        if bench == "unet3d":  # 72 and 768 GPUs at 56 and 84 samples: spatial parallelism
+            assert "spatial parallelism" in why
+            continue
         assert bench in mlperf.NOT_REPRESENTED and why.endswith(mlperf.NOT_REPRESENTED[bench])
+    assert benchmarks.count("unet3d") == sum(r.benchmark == "unet3d" for r in rows) - 3
     for r in meas.e2e:
-        assert r.plan.n_gpus == rows[r.row - 1].n_gpus
+        n_gpus = r.plan.n_gpus if isinstance(r, E2ERecord) else r.n_gpus
+        assert n_gpus == rows[r.row - 1].n_gpus
         assert r.measured_iter_s == rows[r.row - 1].iter_s
 
 
@@ -103,6 +111,11 @@ def test_rows_become_the_implementations_plans():
     assert (h200.plan.tp, h200.plan.dp) == (2, 4)
     assert any("contradict" in d for d in h200.defaults)
     assert lora.cluster.name == "dgx-h100" and h200.cluster.name == "dgx-h200"
+    assert bert.plan.cuda_graphs
+    resnet = by_system[("eos_n8_ngc24.04_mxnet", "resnet")]
+    assert (resnet.n_gpus, resnet.local_batch, resnet.zoo_model) == (64, 50, "resnet50")
+    dlrm = by_system[("eos_n16_ngc24.04_merlin_hugectr", "dlrm_dcnv2")]
+    assert (dlrm.n_gpus, dlrm.spec.batch_size, len(dlrm.spec.tables)) == (128, 135168, 26)
 
 
 def _write(tmp_path, edit):
@@ -198,3 +211,30 @@ def test_the_fit_recovers_offsets_that_generated_the_times():
     assert resid.max() < 0.5 * before.min()
     assert resid[2:].max() < 1.5 * resid[:2].max()  # held out as good as fitted
     np.testing.assert_array_equal(fit.fit_offsets(rows, np.zeros(4), settings, step), 0.0)
+
+
+def test_graph_rows_price_each_row_as_its_data_parallel_step():
+    """``GraphRows`` at zero offsets is ``data_parallel_step_s`` of each row on its shipped
+    profile; the fit's offsets move it (a faster memory-bound pass shortens every row)."""
+    cluster = config.load_cluster("dgx-h100")
+    records = [
+        GraphRecord("resnet", "small_cnn", cluster, n, b, 0.01, "synthetic", i, (), None)
+        for i, (n, b) in enumerate([(8, 16), (64, 4)])
+    ]
+    rows = GraphRows.of(records)
+    got = np.exp(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))))
+    n_params = zoo_param_count("small_cnn")
+    for r, t in zip(records, got):
+        step = data_parallel_step_s(
+            zoo_graph_arrays("small_cnn", r.local_batch),
+            float(r.n_gpus),
+            n_params,
+            2.0 * n_params,
+            cluster_arrays(cluster),
+            params_for(cluster)[0],
+            1e-3,
+        )
+        np.testing.assert_allclose(t, step.iteration_s, rtol=1e-9)
+    raw = np.zeros(rows.n_offsets)
+    raw[fit.LEAVES.index("mem_eff_logit")] = 1.0
+    assert (np.asarray(fit.predict_log(rows, raw)) < np.log(got)).all()

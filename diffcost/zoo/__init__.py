@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from diffcost.zoo.dense import MLP, EncoderBlock
 from diffcost.zoo.dlrm import DLRM, MLPERF_DLRM_DCNV2
-from diffcost.zoo.vision import VGG16, ResNet50, SmallCNN, ViT
+from diffcost.zoo.vision import VGG16, ResNet50, SmallCNN, UNet3D, ViT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +83,11 @@ _MODELS = {
     "resnet50": (lambda b: (ResNet50(), _image(b)), 8, "ResNet-50 v1.5, 224x224, 1000 classes"),
     "vgg16": (lambda b: (VGG16(), _image(b)), 8, "VGG-16 (configuration D), 224x224"),
     "vit_b16": (lambda b: (ViT(), _image(b)), 8, "ViT-B/16, 224x224 (197 tokens)"),
+    "unet3d": (
+        lambda b: (UNet3D(), (_spec((b, 128, 128, 128, 1)),)),
+        1,
+        "MLPerf 3D U-Net (KiTS19), 128^3 patches, 32-320 channels, 3 classes",
+    ),
     "dlrm_dcnv2": (
         lambda b: _dlrm(b, "dcn"),
         2048,

@@ -102,6 +102,45 @@ class ViT(nn.Module):
         return nn.Dense(self.classes)(nn.LayerNorm()(x[:, 0]))
 
 
+UNET3D_FILTERS = (32, 64, 128, 256, 320)
+
+
+def _conv3(features, stride=1):
+    """3x3x3 convolution, instance norm, ReLU (the reference's ``conv_block_factory``)."""
+
+    def block(x):
+        x = nn.Conv(features, (3, 3, 3), (stride,) * 3, padding=1, use_bias=False)(x)
+        return nn.relu(nn.InstanceNorm()(x))
+
+    return block
+
+
+class UNet3D(nn.Module):
+    """MLPerf's 3D U-Net for KiTS19 (mlcommons/training image_segmentation/pytorch
+    model/unet3d.py): an input block of two 3x3x3 convolutions at 32 channels, four
+    downsampling blocks (a stride-2 convolution, then a convolution) to 64, 128, 256 and 320
+    channels, a stride-2 bottleneck at 320, five upsampling blocks (a 2x2x2 stride-2 transposed
+    convolution, concatenation with the skip, two convolutions) back to 32 channels, and a
+    1x1x1 convolution to the classes. Instance norm and ReLU after every 3x3x3 convolution."""
+
+    classes: int = 3
+    filters: Sequence[int] = UNET3D_FILTERS
+
+    @nn.compact
+    def __call__(self, x):
+        x = _conv3(self.filters[0])(_conv3(self.filters[0])(x))
+        skips = [x]
+        for f in (*self.filters[1:], self.filters[-1]):
+            x = _conv3(f)(_conv3(f, 2)(x))
+            skips.append(x)
+        skips.pop()
+        for f in (self.filters[-1], *reversed(self.filters[:-1])):
+            x = nn.ConvTranspose(f, (2, 2, 2), (2, 2, 2), use_bias=False)(x)
+            x = jnp.concatenate([x, skips.pop()], axis=-1)
+            x = _conv3(f)(_conv3(f)(x))
+        return nn.Conv(self.classes, (1, 1, 1))(x)
+
+
 class SmallCNN(nn.Module):
     """Two 3x3 convolutions with pooling, then a dense classifier (tests)."""
 

@@ -1,0 +1,172 @@
+"""MLPerf rows the transformer core does not represent: ResNet-50 (an operator graph, data
+parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``diffcost.dlrm_cost``).
+
+* **ResNet-50** (``resnet``): NVIDIA's MXNet implementation (every ResNet row's framework cell
+  names MXNet or NVIDIA's MLPerf containers; ``config_DGXH100*.sh`` of
+  ``NVIDIA/benchmarks/resnet/implementations/mxnet``): ResNet-50 v1.5, 224x224, fp16 NHWC,
+  pure data parallelism with Horovod (gradients all-reduced in 16 bits while the backward
+  runs), per-GPU batch ``global_batch / (n_gpus * accumulation)``, LARS (taken as the
+  optimizer traffic of ``Params.optimizer_bytes_per_param``). The graph is the zoo's flax
+  ResNet-50 (``diffcost.zoo``) traced by ``from_jax`` in fp16 at that batch, priced by
+  ``opgraph.data_parallel``. The backward recomputes the normalization and activations from
+  the saved convolution outputs (``saves_products``), as fused batch-norm kernels do. Not
+  represented: the kernel fusions themselves (convolution with batch-norm statistics,
+  batch-norm with ReLU and the residual add) and CUDA-graph replay: the traced graph
+  launches one kernel per fused group of XLA-fusible operators; the calibration's offsets on
+  the memory-bound efficiency and the per-kernel time absorb the difference.
+* **3D U-Net** (``unet3d``): NVIDIA's MXNet implementation, as ResNet-50: the zoo's
+  ``UNet3D`` (the reference's model/unet3d.py) on 128^3 patches, fp16, data parallel at the
+  row's per-GPU batch (7 on 8 GPUs). Rows with fewer samples than GPUs (72 and 768 GPUs at a
+  global batch of 56 and 84) split samples spatially: not represented.
+* **DLRM-DCNv2** (``dlrm_dcnv2``): ``configs/dlrm/dlrm-dcnv2.yaml`` (the reference's 26 Criteo
+  1TB multi-hot tables, dimension 128, DCNv2 3 x rank 512) at the row's global batch on its
+  GPUs, priced by ``dlrm_cost`` under the greedy (TorchRec-planner-like) sharding plan of
+  ``dlrm_search.greedy``. The submissions run NVIDIA's HugeCTR with its own hybrid embedding
+  placement; the greedy plan stands in for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from calibration.records import Source
+from diffcost import zoo
+from diffcost.dlrm import DlrmSpec, load_dlrm
+from diffcost.dlrm_cost import ShardingPlan, make_problem, one_hot_plan
+from diffcost.dlrm_search import greedy
+from diffcost.opgraph import from_jax, graph_arrays
+from diffcost.opgraph.pricing import GraphArrays
+from diffcost.profiles import params_for
+from diffcost.specs import ClusterSpec
+
+# NVIDIA's MXNet ResNet and 3D U-Net train in fp16 (loss scaling) and all-reduce fp16 gradients
+GRAPH_DTYPE = jnp.float16
+GRAPH_GRAD_BYTES = 2
+DLRM_PRESET = "dlrm-dcnv2"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRecord:
+    """A data-parallel operator-graph run: the zoo model at ``local_batch`` per GPU."""
+
+    benchmark: str
+    zoo_model: str
+    cluster: ClusterSpec
+    n_gpus: int
+    local_batch: int
+    measured_iter_s: float
+    source_name: str
+    row: int
+    defaults: tuple[str, ...]
+    where: Source
+
+
+@dataclasses.dataclass(frozen=True)
+class DlrmRecord:
+    """A DLRM run: ``spec`` (its ``batch_size`` the global batch) on ``n_gpus`` GPUs."""
+
+    benchmark: str
+    spec: DlrmSpec
+    cluster: ClusterSpec
+    n_gpus: int
+    measured_iter_s: float
+    source_name: str
+    row: int
+    defaults: tuple[str, ...]
+    where: Source
+
+
+def graph_record(
+    row, cluster: ClusterSpec, used: list[str], row_no: int, zoo_model: str
+) -> GraphRecord:
+    """The row as a data-parallel run of ``zoo_model`` (``ValueError``: a batch that does not
+    split evenly over the GPUs, as when an implementation splits samples spatially)."""
+    local = row.global_batch / (row.n_gpus * row.grad_accumulation)
+    if local != int(local):
+        raise ValueError(
+            f"global batch {row.global_batch} is not a multiple of {row.n_gpus} GPUs x "
+            f"{row.grad_accumulation} accumulation steps (the implementation splits samples "
+            "over GPUs: spatial parallelism is not represented)"
+        )
+    used += [f"zoo={zoo_model}", "precision=fp16", "dp=n_gpus", f"batch_per_gpu={int(local)}"]
+    used.append("fp16 gradient all-reduce overlapped with the backward")
+    return GraphRecord(
+        row.benchmark,
+        zoo_model,
+        cluster,
+        row.n_gpus,
+        int(local),
+        row.iter_s,
+        f"mlperf_v4.0/{row.benchmark}",
+        row_no,
+        tuple(used),
+        row.where,
+    )
+
+
+resnet_record = functools.partial(graph_record, zoo_model="resnet50")
+unet3d_record = functools.partial(graph_record, zoo_model="unet3d")
+
+
+def dlrm_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> DlrmRecord:
+    """The DLRM-DCNv2 row on its GPUs (``ValueError``: a batch the GPUs cannot share)."""
+    if row.grad_accumulation != 1:
+        raise ValueError(f"gradient accumulation {row.grad_accumulation} (DLRM runs 1)")
+    if row.global_batch % row.n_gpus:
+        raise ValueError(f"global batch {row.global_batch} is not a multiple of {row.n_gpus}")
+    spec = load_dlrm(DLRM_PRESET, {"batch_size": row.global_batch})
+    used += [f"dlrm={DLRM_PRESET}", f"batch={row.global_batch}", "sharding=greedy planner"]
+    return DlrmRecord(
+        row.benchmark,
+        spec,
+        cluster,
+        row.n_gpus,
+        row.iter_s,
+        f"mlperf_v4.0/{row.benchmark}",
+        row_no,
+        tuple(used),
+        row.where,
+    )
+
+
+def saves_products(primitive, *_, **__) -> bool:
+    """``jax.checkpoint`` policy: keep only convolution and matrix-product outputs for the
+    backward, recompute everything else. Fused batch-norm kernels (cuDNN's, as NVIDIA's MXNet
+    ResNet uses) keep the convolution output and the per-channel statistics and recompute the
+    normalization and activation in their backward, where autodiff of the unfused operators
+    would store every intermediate."""
+    return primitive.name in ("conv_general_dilated", "dot_general")
+
+
+@functools.lru_cache(maxsize=32)
+def zoo_graph_arrays(name: str, batch: int) -> GraphArrays:
+    """``graph_arrays`` of zoo model ``name`` at ``batch`` samples per GPU, traced in fp16."""
+    m = zoo.model(name, batch)
+
+    def half(a):
+        floating = jnp.issubdtype(a.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(a.shape, GRAPH_DTYPE) if floating else a
+
+    args = jax.tree.map(half, m.args)
+    fn = jax.checkpoint(m.fn, policy=saves_products)
+    return graph_arrays(from_jax(fn, *args, argnums=m.argnums))
+
+
+@functools.lru_cache(maxsize=4)
+def zoo_param_count(name: str) -> int:
+    """Trained parameters of zoo model ``name``."""
+    m = zoo.model(name, 1)
+    return int(sum(x.size for i in m.argnums for x in jax.tree.leaves(m.args[i])))
+
+
+def dlrm_problem_plan(record: DlrmRecord, dtype=None):
+    """(problem, greedy one-hot plan) of a DLRM record on its shipped profile."""
+    params = params_for(record.cluster, dtype=dtype)[0]
+    problem = make_problem(record.spec, record.cluster, record.n_gpus, params, dtype)
+    choices = greedy(problem).choices
+    plan: ShardingPlan = one_hot_plan(choices, problem.layout, dtype)
+    return problem, plan
