@@ -84,8 +84,8 @@ _LOW = tuple(PRECISIONS.index(p) for p in LOW_PRECISIONS)
 class LayerOps:
     """The operators of one transformer layer on one GPU for one microbatch (``OPS`` order).
 
-    ``[n_ops]`` arrays unless a shape is given (a leading batch axis under vmap); token counts
-    in tokens, sizes in bytes, work in FLOPs.
+    ``[n_ops]`` arrays unless a shape is given, the operators on the last axis (and a leading
+    batch axis under vmap); token counts in tokens, sizes in bytes, work in FLOPs.
     """
 
     m: jax.Array  # GEMM rows (tokens or routed token-expert pairs); 0 off GEMMs
@@ -93,9 +93,8 @@ class LayerOps:
     k: jax.Array  # GEMM reduction (local input features); 0 off GEMMs
     flops: jax.Array  # forward FLOPs: 2 m n k, the full attention square; 0 memory-bound
     hbm_bytes: jax.Array  # forward HBM traffic of attention and memory-bound operators
-    saved_bytes: jax.Array  # [n_ops, 3] kept for backward, recompute none / selective / full
-    dense_params: jax.Array  # parameters held by one GPU, tp-sharded
-    expert_params: jax.Array  # expert parameters held by one GPU, tp- and ep-sharded
+    saved_bytes: jax.Array  # [3, n_ops] kept for backward, recompute none / selective / full
+    params: jax.Array  # parameters of the operator's weights, unsharded (FC1, FC2: one expert's)
     messages: jax.Array  # [4] bytes of one collective of each of ``MESSAGES``
     tokens: jax.Array  # tokens of the microbatch on one GPU before tp splitting (b s / cp)
     sp_tokens: jax.Array  # tokens seen by norms, dropout and residuals (split by tp under SP)
@@ -104,8 +103,8 @@ class LayerOps:
     attention_shape: jax.Array  # [4] octaves of the attention kernel's shape
 
     def of(self, field: str, names) -> jax.Array:
-        """``field`` of the operators ``names`` (``OPS`` entries), stacked on the first axis.
-        Like ``total``, for the operators of one configuration (no batch axis)."""
+        """``field`` (``[n_ops]``) of the operators ``names`` (``OPS`` entries), stacked. Like
+        ``total``, for the operators of one configuration (no batch axis)."""
         values = getattr(self, field)
         return jnp.stack([values[OPS.index(x)] for x in names])
 
@@ -114,12 +113,17 @@ class LayerOps:
         ``OPS`` order."""
         if kernel_class is not None and kernel_class not in KERNEL_CLASSES:
             raise ValueError(f"LayerOps.total: class {kernel_class!r}; valid: {KERNEL_CLASSES}")
-        values = getattr(self, field)
-        picked = [values[i] for i, x in enumerate(OPS) if kernel_class in (None, KERNEL_CLASS[x])]
-        out = picked[0]
-        for v in picked[1:]:
-            out = out + v
-        return out
+        picked = [i for i, x in enumerate(OPS) if kernel_class in (None, KERNEL_CLASS[x])]
+
+        def added(values):  # row by row, so that XLA folds every slice into its operand
+            if values.ndim > 1:
+                return jnp.stack([added(row) for row in values])
+            out = values[picked[0]]
+            for i in picked[1:]:
+                out = out + values[i]
+            return out
+
+        return added(getattr(self, field))
 
     @property
     def forward_flops(self):
@@ -241,30 +245,34 @@ def _saved_bytes(model: ModelArrays, plan: PlanArrays, t, sp_t, routed) -> dict:
     }
 
 
-def _params(model: ModelArrays, plan: PlanArrays) -> tuple[dict, dict]:
-    """(dense, expert) parameters each operator holds on one GPU: projections and a dense MLP
-    split by tp, experts (and the router) by tp and ep, norms replicated."""
-    h, f, tp = model.hidden, model.ffn_hidden, plan.tp
-    kv = model.kv_heads / model.heads
-    moe = model.experts > 1.0
+def _params(model: ModelArrays) -> dict:
+    """Parameters of each operator's weights (and biases), unsharded; FC1 and FC2 of an MoE
+    layer: one expert's; the router ``hidden x experts`` (none in a dense layer)."""
+    h, f = model.hidden, model.ffn_hidden
+    projection = h * h + model.bias * h
     norm = h * (1.0 + model.bias)
-    fc1 = (1.0 + model.swiglu) * h * f + model.bias * f
-    fc2 = h * f + model.bias * h
-    dense = {
+    return {
         "norm_attn": norm,
-        "qkv": (h * h + model.bias * h) * (1.0 + 2.0 * kv) / tp,
-        "attn_out": (h * h + model.bias * h) / tp,
+        "qkv": projection * (1.0 + 2.0 * model.kv_heads / model.heads),
+        "attn_out": projection,
         "norm_mlp": norm,
-        "fc1": jnp.where(moe, 0.0, fc1 / tp),
-        "fc2": jnp.where(moe, 0.0, fc2 / tp),
+        "router": h * jnp.where(model.experts > 1.0, model.experts, 0.0),
+        "fc1": (1.0 + model.swiglu) * h * f + model.bias * f,
+        "fc2": h * f + model.bias * h,
     }
-    all_experts = {
-        "router": h * model.experts,
-        "fc1": model.experts * fc1,
-        "fc2": model.experts * fc2,
-    }
-    experts = {x: jnp.where(moe, v / (tp * plan.ep), 0.0) for x, v in all_experts.items()}
-    return dense, experts
+
+
+def local_params(ops: LayerOps, model: ModelArrays, plan: PlanArrays):
+    """(dense, expert) parameters of the layer held by one GPU: norms replicated, projections
+    and a dense MLP split by tp; an MoE layer's experts (FC1 and FC2 times ``experts``) and
+    router split by tp and ep."""
+    p = {x: ops.params[i] for i, x in enumerate(OPS)}
+    mlp = p["fc1"] + p["fc2"]
+    moe = model.experts > 1.0
+    dense = (p["qkv"] + p["attn_out"] + jnp.where(moe, 0.0, mlp)) / plan.tp
+    dense = dense + (p["norm_attn"] + p["norm_mlp"])
+    experts = jnp.where(moe, model.experts * mlp + p["router"], 0.0)
+    return dense, experts / (plan.tp * plan.ep)
 
 
 def layer_ops(model: ModelArrays, plan: PlanArrays) -> LayerOps:
@@ -283,16 +291,14 @@ def layer_ops(model: ModelArrays, plan: PlanArrays) -> LayerOps:
         >>> model, plan, _ = api.experiment_arrays(exp)
         >>> ops = layer_ops(model, plan)
         >>> ops.of("m", ("qkv",)).shape, ops.saved_bytes.shape
-        ((1,), (11, 3))
+        ((1,), (3, 11))
     """
     t, sp_t, routed = token_counts(model, plan)
     gemm = _gemm_shapes(model, plan, t, routed)
     attention = {"attention": _attention_flops(model, plan, t)}
     flops = {name: 2.0 * m * n * k for name, (m, n, k) in gemm.items()} | attention
-    dense, experts = _params(model, plan)
     saved = _saved_bytes(model, plan, t, sp_t, routed)
-    zero = jnp.zeros_like(t)
-    column = lambda d: jnp.stack([d.get(x, zero) + zero for x in OPS])  # noqa: E731
+    column = lambda d: jnp.stack(jnp.broadcast_arrays(*(d.get(x, 0.0) for x in OPS)))  # noqa: E731
     h = model.hidden
     return LayerOps(
         m=column({x: g[0] for x, g in gemm.items()}),
@@ -300,11 +306,8 @@ def layer_ops(model: ModelArrays, plan: PlanArrays) -> LayerOps:
         k=column({x: g[2] for x, g in gemm.items()}),
         flops=column(flops),
         hbm_bytes=column(_hbm_bytes(model, plan, t, sp_t, routed)),
-        saved_bytes=jnp.stack(
-            [jnp.stack([v + zero for v in saved.get(x, (zero,) * 3)]) for x in OPS]
-        ),
-        dense_params=column(dense),
-        expert_params=column(experts),
+        saved_bytes=jnp.stack([column({x: v[r] for x, v in saved.items()}) for r in range(3)]),
+        params=column(_params(model)),
         messages=jnp.stack(
             [
                 t * h * ACT_BYTES,

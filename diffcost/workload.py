@@ -144,7 +144,7 @@ def work_of(ops: LayerOps, model: ModelArrays, plan: PlanArrays) -> LayerWork:
     """The ``LayerWork`` of a layer's operators (of one configuration: no batch axis)."""
     gemms = Gemms(*(ops.of(f, layer_ops.GEMM_OPS) for f in ("m", "n", "k")))
     cast_fwd, cast_bwd = _cast_bytes(ops.low_precision, gemms)
-    dense, experts = ops.total("dense_params"), ops.total("expert_params")
+    dense, experts = layer_ops.local_params(ops, model, plan)
     embedding = model.vocab * model.hidden / plan.tp
     tp_msg, kv_msg, ep_msg, p2p_msg = (ops.messages[i] for i in range(len(layer_ops.MESSAGES)))
     return LayerWork(
@@ -268,8 +268,7 @@ def param_counts(model: ModelArrays) -> ParamCounts:
 
 def layer_params_local(model: ModelArrays, plan: PlanArrays):
     """(dense, expert) parameters of one layer held by one GPU (tp- and ep-sharded)."""
-    ops = layer_ops.layer_ops(model, plan)
-    return ops.total("dense_params"), ops.total("expert_params")
+    return layer_ops.local_params(layer_ops.layer_ops(model, plan), model, plan)
 
 
 # --- activations ------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def test_operators_sum_per_kernel_class():
     work = workload.layer_work(m, p)
     assert set(layer_ops.KERNEL_CLASS.values()) == set(layer_ops.KERNEL_CLASSES)
     assert ops.m.shape == ops.flops.shape == (len(layer_ops.OPS),)
-    assert ops.saved_bytes.shape == (len(layer_ops.OPS), len(layer_ops.RECOMPUTE_MODES))
+    assert ops.saved_bytes.shape == (len(layer_ops.RECOMPUTE_MODES), len(layer_ops.OPS))
     gemm_flops = float(ops.total("flops", "gemm"))
     assert gemm_flops == pytest.approx(float(jnp.sum(work.gemms.flops)), rel=REL)
     assert float(ops.total("flops", "memory")) == 0.0
@@ -138,7 +138,7 @@ def test_operators_sum_per_kernel_class():
         assert (m_ > 0) == (kind == "gemm")
         assert (b_ > 0) == (kind != "gemm")
     # full recompute keeps the layer input only: the first norm's input
-    full = np.asarray(ops.saved_bytes[:, 2])
+    full = np.asarray(ops.saved_bytes[2])
     assert np.count_nonzero(full) == 1 and full[layer_ops.OPS.index("norm_attn")] > 0
     with pytest.raises(ValueError, match="class 'conv'"):
         ops.total("flops", "conv")
