@@ -142,3 +142,42 @@ def test_operators_sum_per_kernel_class():
     assert np.count_nonzero(full) == 1 and full[layer_ops.OPS.index("norm_attn")] > 0
     with pytest.raises(ValueError, match="class 'conv'"):
         ops.total("flops", "conv")
+
+
+# Flax module scope of each GEMM and attention operator in the zoo's encoder block.
+BLOCK_SCOPES = {
+    "qkv": ("/query", "/key", "/value"),
+    "attention": ("/...qhd,...khd->...hqk", "/...hqk,...khd->...qhd"),
+    "attn_out": ("/out",),
+    "fc1": ("/Dense_0",),
+    "fc2": ("/Dense_1",),
+}
+
+
+def test_builder_layer_against_the_imported_zoo_block():
+    """The builder's layer at the zoo encoder block's shape (4 x 128 tokens, width 512, 8
+    heads, GELU MLP 2048) against ``from_jax`` of the block: each GEMM and attention product
+    to the FLOP; the whole forward within 1% (the builder prices norms, activation, softmax
+    and residuals by their HBM bytes and counts no FLOPs for them)."""
+    from diffcost import zoo
+    from diffcost.arrays import model_arrays, plan_arrays
+    from diffcost.opgraph import from_jax
+    from diffcost.specs import ModelSpec
+
+    block = zoo.model("transformer_block", batch=4)
+    g = from_jax(block.fn, *block.args, argnums=block.argnums)
+    spec = ModelSpec(
+        name="block", n_layers=1, hidden=512, ffn_hidden=2048, heads=8, kv_heads=8, seq_len=128,
+        vocab=32000, causal=False, dropout=False, attention="unfused",
+    )  # fmt: skip
+    ops = layer_ops.layer_ops(model_arrays(spec), plan_arrays(PlanSpec(microbatch=4)))
+    products = g.select("forward", ["matmul", "attention"])
+    for name, scopes in BLOCK_SCOPES.items():
+        graph = sum(op.flops * op.count for op in products if op.scope.endswith(scopes))
+        assert float(ops.of("flops", (name,))[0]) == graph, name
+    assert float(ops.total("flops", "gemm") + ops.total("flops", "attention")) == sum(
+        op.flops * op.count for op in products
+    )
+    total = g.flops("forward")
+    assert float(ops.forward_flops) == pytest.approx(total, rel=0.01)
+    assert float(ops.forward_flops) < total  # what is left: elementwise and reductions
