@@ -7,14 +7,14 @@ to one kernel class (``KERNEL_CLASS``): a GEMM, the attention core, or memory-bo
 operator the builder gives, per GPU and per microbatch, its GEMM shape ``(m, n, k)`` (zero off
 GEMMs), FLOPs, forward HBM bytes (attention and memory-bound operators; a GEMM's traffic follows
 from its shape in the GEMM model), the activation bytes it keeps for backward under each
-recompute mode, and the parameters it holds (dense and expert). The collectives the layer's
-sharding implies are given by their message sizes (``MESSAGES``).
+recompute mode, and the parameters of its weights (unsharded; ``local_params`` shards them).
+The collectives the layer's sharding implies are given by their message sizes (``MESSAGES``).
 
 Every numeric field is an array stacked over the operators (a struct of arrays), computed from
 ``ModelArrays`` and ``PlanArrays`` with jax.numpy, so the plan's degrees may be traced and
 relaxed: the builder runs inside the jitted, vmapped and differentiated model. The operator
-names and kernel classes are static. ``diffcost.opgraph.transformer`` turns the operators of a
-concrete shape into an operator ``Graph``.
+names and kernel classes are static. ``workload.layer_work`` sums the operators per kernel
+class into the ``LayerWork`` the time and memory models read.
 
 Shapes follow Megatron-LM's sharding: tensor parallel (``tp``) splits heads and MLP
 columns/rows; sequence parallel (``sp``) splits the tokens of norms, dropout and residuals
