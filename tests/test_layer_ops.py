@@ -181,3 +181,11 @@ def test_builder_layer_against_the_imported_zoo_block():
     total = g.flops("forward")
     assert float(ops.forward_flops) == pytest.approx(total, rel=0.01)
     assert float(ops.forward_flops) < total  # what is left: elementwise and reductions
+
+
+def test_examples_in_docstrings():
+    import doctest
+
+    for module in (layer_ops, workload):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
