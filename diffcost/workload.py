@@ -2,8 +2,10 @@
 
 Everything is per GPU and per microbatch unless a name says otherwise, and written for one
 configuration (vmap at the call site). ``layer_work`` computes all of it once per (model, plan)
-as a ``LayerWork`` pytree, which the time and memory models share. Shapes follow Megatron-LM's
-sharding:
+as a ``LayerWork`` pytree, which the time and memory models share: it builds the layer's
+operators (``diffcost.layer_ops``: GEMMs, attention core, memory-bound operators, each with its
+shape, FLOPs, bytes, saved activations and parameters) and sums them per kernel class. Shapes
+follow Megatron-LM's sharding:
 
 * tensor parallel (``tp``) splits attention heads and MLP columns/rows;
 * sequence parallel (``sp``, inside the tp group) splits the sequence for norms, dropout and
@@ -23,32 +25,22 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from diffcost.arrays import ACT_BYTES, ModelArrays, PlanArrays
-from diffcost.params import ATTN_SHAPE_REF
-from diffcost.specs import PRECISIONS
+from diffcost import layer_ops
+from diffcost.arrays import ModelArrays, PlanArrays
+from diffcost.layer_ops import (  # noqa: F401  (re-exported: the workload's shape helpers)
+    LOW_PRECISIONS,
+    LayerOps,
+    attention_shape,
+    head_dim,
+    low_precision,
+    tokens,
+)
 
-# Korthikanti et al.: bytes per token of activations that SP splits, in units of hidden: two
-# norm inputs and the inputs of the QKV and FC1 GEMMs (2 B each), and the two 1-byte dropout
-# masks, which exist only with dropout (PyTorch keeps no mask at p = 0).
-_SP_SPLIT_ACT_PER_H = 8.0
-_DROPOUT_MASKS_PER_H = 2.0
-# Score-matrix activations per (head, query, key) without fused attention: softmax output (2 B),
-# and with dropout its mask (1 B) and output (2 B).
-_SCORE_ACT_BYTES = 2.0
-_SCORE_DROPOUT_BYTES = 3.0
-# HBM passes over the s x s scores in unfused attention (write scores, softmax read/write,
-# dropout read/write, read for the value product).
-_SCORE_PASSES = 6.0
-# Elementwise HBM traffic per layer, forward, in tokens x hidden x bytes: two norms (read +
-# write), two dropout+residual blocks (read two, write one, mask).
-_ELEMENTWISE_PASSES_H = 2 * 2.0 + 2 * 4.0
 # FP8/FP4 GEMMs (Transformer Engine) first cast each 16-bit input to the low precision and keep a
 # transposed copy for the other backward GEMM: read 2 B, write the cast and its transpose, per
 # element of the forward inputs and, in backward, of the output gradients. Weights are cast once
 # per iteration (cached across microbatches) and are left out.
 _CAST_BYTES_PER_ELEMENT = 2.0 + 1.0 + 1.0
-LOW_PRECISIONS = ("fp8", "fp4")  # GEMM operand types narrower than 16 bits
-_LOW = tuple(PRECISIONS.index(p) for p in LOW_PRECISIONS)
 # Kernels launched by one layer's forward (norms, GEMMs, attention, activation, residuals).
 KERNELS_PER_LAYER_FWD = 12.0
 # Framework ops the host dispatches for one layer's forward in eager PyTorch (Megatron's GPT
@@ -113,79 +105,6 @@ class LayerWork:
         return jnp.sum(self.gemms.flops) + self.attention_flops
 
 
-def tokens(model: ModelArrays, plan: PlanArrays):
-    """Tokens of one microbatch on one GPU before tensor-parallel splitting (``b * s / cp``)."""
-    return plan.microbatch * model.seq_len / plan.cp
-
-
-def head_dim(model: ModelArrays):
-    """Width of one attention head."""
-    return model.hidden / model.heads
-
-
-def low_precision(model: ModelArrays):
-    """1 when the layer GEMMs run in FP8/FP4 (0 in 16 or 32 bits, in between when relaxed)."""
-    return sum(model.precision[i] for i in _LOW)
-
-
-def _token_counts(model: ModelArrays, plan: PlanArrays):
-    """(tokens, sp tokens, routed tokens) of one microbatch on one GPU (see ``LayerWork``).
-
-    Sequence parallelism splits the norm, dropout and residual tokens by tp; an MoE MLP
-    processes ``top_k * capacity_factor`` token-expert pairs per token.
-    """
-    t = tokens(model, plan)
-    sp_t = t * (1.0 - plan.sp) + t / plan.tp * plan.sp
-    routing = jnp.where(model.experts > 1.0, model.top_k * model.capacity_factor, 1.0)
-    return t, sp_t, t * routing
-
-
-def _gemms(model: ModelArrays, plan: PlanArrays, t, routed) -> Gemms:
-    """QKV, attention output, FC1 (gate+up for SwiGLU), FC2 and the MoE router."""
-    h, f, tp = model.hidden, model.ffn_hidden, plan.tp
-    qkv_n = h * (1.0 + 2.0 * model.kv_heads / model.heads) / tp
-    router_n = jnp.where(model.experts > 1.0, model.experts, 0.0)
-    m = jnp.stack([t, t, routed, routed, t])
-    n = jnp.stack([qkv_n, h, f * (1.0 + model.swiglu) / tp, h, router_n])
-    k = jnp.stack([h, h / tp, h, f / tp, h])
-    return Gemms(m=m, n=n, k=k)
-
-
-def _attention_flops(model: ModelArrays, plan: PlanArrays, t):
-    """Forward FLOPs of ``softmax(QK^T)V`` on one GPU, counting the full (non-causal) square.
-
-    This is the model-FLOP convention (Narayanan et al.); fused causal kernels execute about
-    half of it, which the kernel model accounts for.
-    """
-    heads_local = model.heads / plan.tp
-    per_key = 4.0 * plan.microbatch * heads_local * (t / plan.microbatch)
-    return per_key * model.seq_len * head_dim(model)
-
-
-def attention_shape(seq_len, head_dim, parallel_heads, group):
-    """Octaves of an attention kernel's shape from ``params.ATTN_SHAPE_REF``, in the order of
-    ``params.ATTN_SHAPE_LEAVES`` (arrays broadcast; the result stacked on the last axis):
-    sequence length per GPU, head dim, heads per GPU times the sequences of one kernel call,
-    query heads per KV head. ``Params.attention_eff`` reads its efficiency from them."""
-    values = jnp.broadcast_arrays(seq_len, head_dim, parallel_heads, group)
-    refs = ATTN_SHAPE_REF.values()
-    return jnp.stack([jnp.log2(v / ref) for v, ref in zip(values, refs)], axis=-1)
-
-
-def _attention_bytes(model: ModelArrays, plan: PlanArrays, t):
-    """HBM traffic of the attention core, forward: Q, K, V, O, plus the scores when unfused."""
-    heads_local = model.heads / plan.tp
-    qkvo = ACT_BYTES * t * head_dim(model) * (2.0 * heads_local + 2.0 * model.kv_heads / plan.tp)
-    scores = _SCORE_PASSES * ACT_BYTES * heads_local * t * model.seq_len
-    return qkvo + (1.0 - model.flash) * scores
-
-
-def _elementwise_bytes(model: ModelArrays, plan: PlanArrays, sp_t, routed):
-    """HBM traffic of norms, activation function, dropout and residuals in one layer forward."""
-    act = (2.0 + model.swiglu) * routed * model.ffn_hidden / plan.tp
-    return ACT_BYTES * (_ELEMENTWISE_PASSES_H * sp_t * model.hidden + act)
-
-
 def _cast_bytes(low, g: Gemms):
     """HBM traffic of FP8/FP4 input casts in one layer: (forward, backward); 0 in 16 bits.
 
@@ -199,6 +118,10 @@ def _cast_bytes(low, g: Gemms):
 
 def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
     """The work of one layer on one GPU for one microbatch, every quantity computed once.
+
+    Builds the layer's operators (``layer_ops.layer_ops``) and sums them per kernel class:
+    the GEMM shapes, the attention core, the memory-bound traffic, the activations kept per
+    recompute mode and the parameters held.
 
     Args:
         model, plan: array pytrees of one configuration (``diffcost.arrays``).
@@ -214,39 +137,38 @@ def layer_work(model: ModelArrays, plan: PlanArrays) -> LayerWork:
         >>> float(work.tokens) == float(plan.microbatch * model.seq_len / plan.cp)
         True
     """
-    t, sp_t, routed = _token_counts(model, plan)
-    low = low_precision(model)
-    gemms = _gemms(model, plan, t, routed)
-    cast_fwd, cast_bwd = _cast_bytes(low, gemms)
-    dense, experts = layer_params_local(model, plan)
+    return work_of(layer_ops.layer_ops(model, plan), model, plan)
+
+
+def work_of(ops: LayerOps, model: ModelArrays, plan: PlanArrays) -> LayerWork:
+    """The ``LayerWork`` of a layer's operators (of one configuration: no batch axis)."""
+    gemms = Gemms(*(ops.of(f, layer_ops.GEMM_OPS) for f in ("m", "n", "k")))
+    cast_fwd, cast_bwd = _cast_bytes(ops.low_precision, gemms)
+    dense, experts = layer_ops.local_params(ops, model, plan)
     embedding = model.vocab * model.hidden / plan.tp
+    tp_msg, kv_msg, ep_msg, p2p_msg = (ops.messages[i] for i in range(len(layer_ops.MESSAGES)))
     return LayerWork(
-        tokens=t,
-        sp_tokens=sp_t,
-        head_tokens=t * model.head_tokens,
-        routed_tokens=routed,
+        tokens=ops.tokens,
+        sp_tokens=ops.sp_tokens,
+        head_tokens=ops.tokens * model.head_tokens,
+        routed_tokens=ops.routed_tokens,
         vocab_local=model.vocab / plan.tp,
-        low_precision=low,
+        low_precision=ops.low_precision,
         gemms=gemms,
-        attention_flops=_attention_flops(model, plan, t),
-        attention_bytes=_attention_bytes(model, plan, t),
-        attention_shape=attention_shape(
-            model.seq_len / plan.cp,
-            head_dim(model),
-            plan.microbatch * model.heads / plan.tp,
-            model.heads / model.kv_heads,
-        ),
-        elementwise_bytes=_elementwise_bytes(model, plan, sp_t, routed),
+        attention_flops=ops.total("flops", "attention"),
+        attention_bytes=ops.total("hbm_bytes", "attention"),
+        attention_shape=ops.attention_shape,
+        elementwise_bytes=ops.total("hbm_bytes", "memory"),
         cast_fwd_bytes=cast_fwd,
         cast_bwd_bytes=cast_bwd,
         dense_params=dense,
         expert_params=experts,
         embedding_params=embedding,
-        activation_bytes=_activation_bytes(model, plan, t, sp_t, routed),
-        tp_msg_bytes=t * model.hidden * ACT_BYTES,
-        kv_msg_bytes=2.0 * t * plan.cp * model.kv_heads * head_dim(model) / plan.tp * ACT_BYTES,
-        ep_msg_bytes=routed * model.hidden * ACT_BYTES,
-        p2p_msg_bytes=sp_t * model.hidden * ACT_BYTES,
+        activation_bytes=ops.total("saved_bytes"),
+        tp_msg_bytes=tp_msg,
+        kv_msg_bytes=kv_msg,
+        ep_msg_bytes=ep_msg,
+        p2p_msg_bytes=p2p_msg,
         **lora_work(plan, gemms, dense, experts, embedding),
     )
 
@@ -280,9 +202,7 @@ def lora_work(plan: PlanArrays, gemms: Gemms, dense, experts, embedding) -> dict
 
 def layer_forward_flops(model: ModelArrays, plan: PlanArrays):
     """All forward FLOPs of one layer on one GPU (GEMMs + attention core, model convention)."""
-    t, _, routed = _token_counts(model, plan)
-    gemms = _gemms(model, plan, t, routed)
-    return jnp.sum(gemms.flops) + _attention_flops(model, plan, t)
+    return layer_ops.layer_ops(model, plan).forward_flops
 
 
 def head_forward_flops(model: ModelArrays, plan: PlanArrays):
@@ -348,42 +268,13 @@ def param_counts(model: ModelArrays) -> ParamCounts:
 
 def layer_params_local(model: ModelArrays, plan: PlanArrays):
     """(dense, expert) parameters of one layer held by one GPU (tp- and ep-sharded)."""
-    c = param_counts(model)
-    dense = (c.attention + c.mlp_dense) / plan.tp + c.norms
-    experts = c.mlp_experts / (plan.tp * plan.ep)
-    return dense, experts
+    return layer_ops.local_params(layer_ops.layer_ops(model, plan), model, plan)
 
 
 # --- activations ------------------------------------------------------------------------------
 
 
 def layer_activation_bytes(model: ModelArrays, plan: PlanArrays):
-    """Activation bytes one layer keeps for backward, per microbatch: [none, selective, full].
-
-    ``layer_work(model, plan).activation_bytes``, for callers that need nothing else.
-    """
-    return _activation_bytes(model, plan, *_token_counts(model, plan))
-
-
-def _activation_bytes(model: ModelArrays, plan: PlanArrays, t, sp_t, routed):
-    """Activation bytes one layer keeps for backward, per microbatch: [none, selective, full].
-
-    Korthikanti et al. Table 2 generalized to GQA, SwiGLU and MoE: ``10 h`` per token split by
-    SP (``8 h`` without dropout), attention ``2 h (1 + 2 kv/heads) + 2 h`` and MLP inner
-    activations split by tp, scores ``5 a s`` per token split by tp (``2 a s`` without
-    dropout; absent with fused attention, and under selective recompute). Full recompute keeps
-    only each layer's input. For GPT (``f = 4 h``, ``kv = heads``, dropout) this is the paper's
-    ``s b h (34 + 5 a s / h) / t`` with SP, ``34 s b h / t`` selective, ``2 s b h / t`` full.
-    """
-    h, f = model.hidden, model.ffn_hidden
-    kv = model.kv_heads / model.heads
-    split_sp = (_SP_SPLIT_ACT_PER_H + _DROPOUT_MASKS_PER_H * model.dropout) * sp_t * h
-    attn = t * (2.0 * h * (1.0 + 2.0 * kv) + 2.0 * h) / plan.tp
-    mlp = routed * (ACT_BYTES * f * (1.0 + model.swiglu) + ACT_BYTES * f) / plan.tp
-    mlp = mlp + (routed - t) * ACT_BYTES * h / plan.tp  # routed copies of the MLP input
-    score_b = _SCORE_ACT_BYTES + _SCORE_DROPOUT_BYTES * model.dropout
-    scores = score_b * model.heads / plan.tp * t * model.seq_len * (1.0 - model.flash)
-    selective = split_sp + attn + mlp
-    none = selective + scores
-    full = ACT_BYTES * sp_t * h
-    return jnp.stack([none, selective, full])
+    """Activation bytes one layer keeps for backward, per microbatch: [none, selective, full]
+    (``layer_ops.LayerOps.saved_bytes`` summed over the operators)."""
+    return layer_ops.layer_ops(model, plan).total("saved_bytes")
