@@ -7,9 +7,14 @@ collective the graph path prices (all-reduce, all-gather, reduce-scatter, all-to
 priced twice with the cluster's shipped calibrated profile (``diffcost.profiles.params_for``):
 on the cluster's graph (``diffcost.network.generators.from_cluster`` over the row's nodes,
 ``diffcost.network.cost``) and by the shipped model (``diffcost.comm``), placed as the
-calibration places it. Prints the MAPE per cluster of both. ``--quick`` keeps every 16th size
-of the vTrain tables (1,024 sizes per group size). Send/recv rows (4) and XLA permutes are not
-priced.
+calibration places it. The graph offers NVLink SHARP (``nvls``) on clusters whose switches
+reduce; its two constants, which ``comm`` and so the shipped profiles do not have, are fitted
+per GPU family by ``calibration.network_fit`` on these same tables (all other constants stay
+at the profiles). Prints the MAPE per cluster: the graph with those fitted constants (in
+sample), with them at their datasheet defaults ("prior"), with them fitted on the other half
+of the sizes ("held-out": two folds by the parity of ``floor(log2(size))``), and ``comm``.
+``--quick`` keeps every 16th size of the vTrain tables (1,024 sizes per group size).
+Send/recv rows (4) and XLA permutes are not priced.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from calibration.network_fit import PricedTable, SwitchFit  # noqa: E402
 from calibration.readers import read_collectives_csv  # noqa: E402
 from diffcost import comm, profiles  # noqa: E402
 from diffcost.arrays import cluster_arrays  # noqa: E402
 from diffcost.config import load_cluster  # noqa: E402
+from diffcost.gpus import gpu_family  # noqa: E402
 from diffcost.network import cost  # noqa: E402
 from diffcost.network.generators import from_cluster  # noqa: E402
 
@@ -48,15 +55,14 @@ def _comm_s(op, sizes, rec, cluster, params):
     return comm.collective_s(op, sizes, group, arrays, params, TEMPERATURE)
 
 
-def _graph_s(op, sizes, rec, cluster, params):
+def _graph_price(op, rec, cluster):
+    """``(params, sizes) -> seconds`` on the cluster's graph, and whether ``nvls`` is offered."""
     nodes = rec.n_nodes * rec.n_groups if rec.n_nodes > 1 else 1
     topology = from_cluster(cluster, nodes)
     pricing = cost.collective_pricing(topology, op, rec.group_size, rec.n_groups)
     capacity = jnp.asarray(topology.capacity_Bps)
-    price = jax.jit(
-        jax.vmap(lambda m: cost.collective_time_s(pricing, m, capacity, params, TEMPERATURE))
-    )
-    return price(sizes)
+    one = lambda p, m: cost.collective_time_s(pricing, m, capacity, p, TEMPERATURE)  # noqa: E731
+    return jax.jit(jax.vmap(one, in_axes=(None, 0))), "nvls" in pricing.names
 
 
 def _cases(quick: bool) -> dict:
@@ -72,30 +78,78 @@ def _cases(quick: bool) -> dict:
     return cases
 
 
-def measure(quick: bool = False) -> dict:
-    """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_comm"}}}``."""
-    errors = collections.defaultdict(lambda: ([], []))
-    params_of = {}
+def _tables(quick: bool) -> list[dict]:
+    """Every case priced: its ``PricedTable``, whether NVLS is offered, and ``comm``'s times."""
+    out, params_of = [], {}
     for (name, op, *_), recs in sorted(_cases(quick).items()):
         cluster = load_cluster(name)
         if name not in params_of:
             params_of[name] = profiles.params_for(cluster)[0]
         params = params_of[name]
-        sizes = jnp.asarray([r.size_bytes for r in recs], dtype=float)
-        measured = np.array([r.time_s for r in recs])
-        graph = np.asarray(_graph_s(op, sizes, recs[0], cluster, params))
-        old = np.asarray(_comm_s(op, sizes, recs[0], cluster, params))
-        errors[name][0].extend(np.abs(graph / measured - 1.0))
-        errors[name][1].extend(np.abs(old / measured - 1.0))
-    out = {
-        name: {
-            "rows": len(g),
-            "mape_pct": round(100.0 * float(np.mean(g)), 2),
-            "mape_pct_comm": round(100.0 * float(np.mean(o)), 2),
-        }
-        for name, (g, o) in sorted(errors.items())
+        sizes = np.array([r.size_bytes for r in recs], dtype=float)
+        price, switch = _graph_price(op, recs[0], cluster)
+        table = PricedTable(
+            name,
+            gpu_family(cluster.gpu.name),
+            price,
+            sizes,
+            np.array([r.time_s for r in recs]),
+            params,
+        )
+        comm_s = np.asarray(_comm_s(op, jnp.asarray(sizes), recs[0], cluster, params))
+        out.append({"table": table, "switch": switch, "comm_s": comm_s})
+    return out
+
+
+def _odd(table: PricedTable) -> np.ndarray:
+    return np.floor(np.log2(table.sizes)).astype(int) % 2 == 1
+
+
+def _heldout_s(entries: list[dict], fit: SwitchFit) -> list[np.ndarray]:
+    """Each row predicted with switch constants fitted on the rows of the other size-octave
+    parity (two folds: even and odd ``floor(log2(size))``)."""
+    fitted = {
+        parity: fit.fit({id(t): _odd(t) != parity for t in fit.tables}) for parity in (False, True)
     }
-    return {"collectives": out}
+    out = []
+    for e in entries:
+        t = e["table"]
+        times = np.zeros(len(t.sizes))
+        for parity in (False, True):
+            rows = _odd(t) == parity
+            params = profiles.apply_values(t.params, fitted[parity].get(t.family, {}))
+            times[rows] = np.asarray(t.price(params, jnp.asarray(t.sizes[rows])))
+        out.append(times)
+    return out
+
+
+def measure(quick: bool = False) -> dict:
+    """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_prior", "mape_pct_heldout",
+    "mape_pct_comm"}}, "switch_constants": {family: {name: value}}}``: the graph path with the
+    switch constants fitted on all rows (``mape_pct``), at their datasheet defaults
+    (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``."""
+    entries = _tables(quick)
+    fit = SwitchFit([e["table"] for e in entries if e["switch"]])
+    fitted = fit.fit()
+    heldout = _heldout_s(entries, fit)
+    errors = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e, held in zip(entries, heldout):
+        t = e["table"]
+        sizes = jnp.asarray(t.sizes)
+        fit_params = profiles.apply_values(t.params, fitted.get(t.family, {}))
+        for key, pred in (
+            ("mape_pct", t.price(fit_params, sizes)),
+            ("mape_pct_prior", t.price(t.params, sizes)),
+            ("mape_pct_heldout", held),
+            ("mape_pct_comm", e["comm_s"]),
+        ):
+            errors[t.cluster][key].extend(np.abs(np.asarray(pred) / t.measured_s - 1.0))
+    out = {
+        name: {"rows": len(errs["mape_pct"])}
+        | {key: round(100.0 * float(np.mean(v)), 2) for key, v in errs.items()}
+        for name, errs in sorted(errors.items())
+    }
+    return {"collectives": out, "switch_constants": fitted}
 
 
 def main(argv=None) -> None:
@@ -107,9 +161,14 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{'cluster':24} {'rows':>6} {'graph MAPE %':>13} {'comm MAPE %':>12}")
+    print(f"{'cluster':22} {'rows':>6} {'graph':>7} {'prior':>7} {'held-out':>9} {'comm':>7}")
     for name, r in result["collectives"].items():
-        print(f"{name:24} {r['rows']:6d} {r['mape_pct']:13.2f} {r['mape_pct_comm']:12.2f}")
+        print(
+            f"{name:22} {r['rows']:6d} {r['mape_pct']:7.2f} {r['mape_pct_prior']:7.2f} "
+            f"{r['mape_pct_heldout']:9.2f} {r['mape_pct_comm']:7.2f}"
+        )
+    for family, values in result["switch_constants"].items():
+        print(f"{family}: " + ", ".join(f"{k} = {v:.4g}" for k, v in values.items()))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ the link capacities and the calibrated ``Params``) prices them:
 * each latency step adds the largest path latency of the phase's flows, the links' latencies
   scaled by ``nvlink_latency_scale`` or ``nic_latency_scale`` as their class;
 * NCCL's choice is a smooth minimum over the algorithms (``diffcost.smooth``); a reducing
-  collective adds the GPU's pass over the buffer (``reduce_Bps``) and every call
-  ``collective_overhead_s``, as ``diffcost.comm.collective_s`` does.
+  collective adds the GPU's pass over the buffer (``reduce_Bps``) to every algorithm that
+  reduces on the GPUs, and every call ``collective_overhead_s``, as
+  ``diffcost.comm.collective_s`` does;
+* ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
+  reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
+  receives the result (``nvls_phases``), over its NVLink links at ``nvls_eff`` instead of
+  ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call.
 
 Rings run as NCCL's channels do (``ring_channels``): behind a switch or on a full mesh the
 ``n - 1`` rotations (every pair once), on direct GPU links of one bandwidth a packing of
@@ -45,6 +50,16 @@ from diffcost.specs import PlanSpec
 NVLINK_KINDS = ("gpu", "nvswitch")  # a link between two of these is NVLink; others network
 TRAFFIC = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0}
 REDUCES = ("all_reduce", "reduce_scatter")
+SWITCH_ALGORITHMS = ("nvls",)  # reduce in the switches, not on the GPUs
+# NVLS bytes per GPU each way, as shares of the buffer for a group of n: (up, down). All-reduce
+# is a reduce-scatter (each GPU loads its 1/n of the sum from the switch, which reads the
+# buffer's n shares from every GPU: the whole buffer up, 1/n down) then an all-gather (each GPU
+# stores its 1/n, the switch multicasts it to all: 1/n up, the whole buffer down).
+NVLS_SHARES = {
+    "all_reduce": lambda n: (1.0 + 1.0 / n, 1.0 + 1.0 / n),
+    "reduce_scatter": lambda n: (1.0, 1.0 / n),
+    "all_gather": lambda n: (1.0 / n, 1.0),
+}
 # NCCL's pipelined trees reach about 2/3 of the bandwidth their link loads allow, the factor
 # ``diffcost.comm`` applies to its tree (its chunks wait on the reduction up the tree).
 TREE_BW_PENALTY = 1.5
@@ -66,12 +81,15 @@ class Phase:
 @struct.dataclass
 class AlgorithmArrays:
     """An algorithm's phases padded to one shape: ``incidence [P, F, L]`` on the pricing's
-    links, ``frac [P, F]`` (0 on padding), ``steps`` and ``latency_steps`` ``[P]``."""
+    links, ``frac [P, F]`` (0 on padding), ``steps`` and ``latency_steps`` ``[P]``;
+    ``in_switch`` 1.0 for an algorithm that reduces in the switches (``SWITCH_ALGORITHMS``),
+    else 0.0."""
 
     incidence: jax.Array
     frac: jax.Array
     steps: jax.Array
     latency_steps: jax.Array
+    in_switch: jax.Array
 
 
 @struct.dataclass
@@ -237,12 +255,14 @@ def _flow_phases(topology, groups, collective, algorithm) -> list[Phase]:
 
 def default_algorithms(topology: Topology, collective: str) -> tuple[str, ...]:
     """What NCCL chooses from: ring, tree and hierarchical for all-reduce, the ring for
-    all-gather and reduce-scatter, the torus rings where the topology has coordinates, and
-    pairwise sends for all-to-all."""
+    all-gather and reduce-scatter, the torus rings where the topology has coordinates,
+    ``nvls`` for all three where it has switches that reduce, and pairwise sends for
+    all-to-all."""
     if collective == "all_to_all":
         return ("pairwise",)
     names = ("ring", "tree", "hierarchical") if collective == "all_reduce" else ("ring",)
-    return names + (("torus",) if topology.coords is not None else ())
+    names += ("torus",) if topology.coords is not None else ()
+    return names + (("nvls",) if len(topology.reducing_nodes()) else ())
 
 
 def link_classes(topology: Topology) -> np.ndarray:
@@ -297,9 +317,50 @@ def _phases(topology, groups, collective, name) -> list[Phase]:
         return _ring_phases(topology, groups, collective)
     if name == "pairwise":
         return _pairwise_phases(topology, groups, collective)
+    if name == "nvls":
+        return nvls_phases(topology, groups, collective)
     if name in netcoll.ALGORITHMS:
         return _flow_phases(topology, groups, collective, name)
-    raise ValueError(f"algorithm={name!r}: expected ring, tree, hierarchical, torus or pairwise")
+    raise ValueError(
+        f"algorithm={name!r}: expected ring, tree, hierarchical, torus, nvls or pairwise"
+    )
+
+
+def nvls_phases(topology: Topology, groups: np.ndarray, collective: str) -> list[Phase]:
+    """NVLink SHARP (NCCL's NVLS) in one phase of one step: every GPU of every group sends
+    ``NVLS_SHARES[collective][0]`` of the buffer up its links to the reducing switches and
+    receives ``[1]`` down them, each link carrying its share of the GPU's switch capacity;
+    two latency steps of the GPU-switch hop per pass up and down (all-reduce: two passes).
+
+    Raises:
+        ValueError: a collective NVLS does not run, or a group whose GPUs do not all reach
+            the same reducing switches directly.
+    """
+    if collective not in NVLS_SHARES:
+        raise ValueError(f"nvls: runs {', '.join(NVLS_SHARES)}, not {collective}")
+    switches = topology.reducing_nodes()
+    capacity = topology.capacity_Bps
+    rows, frac = [], []
+    up_share, down_share = NVLS_SHARES[collective](groups.shape[1])
+    for group in groups:
+        reached = None
+        for gpu in topology.endpoints[group]:
+            for share, ends in ((up_share, (topology.src, topology.dst)),
+                                (down_share, (topology.dst, topology.src))):  # fmt: skip
+                links = np.flatnonzero((ends[0] == gpu) & np.isin(ends[1], switches))
+                here = frozenset(ends[1][links].tolist())
+                if not links.size or reached not in (None, here):
+                    raise ValueError(
+                        f"nvls: the GPUs of group {group.tolist()} do not all reach the same "
+                        f"reducing switches of {topology.name}"
+                    )
+                reached = here
+                row = np.zeros(topology.n_links)
+                row[links] = capacity[links] / capacity[links].sum()
+                rows.append(row)
+                frac.append(share)
+    latency_steps = 4.0 if collective == "all_reduce" else 2.0
+    return [Phase(np.stack(rows), np.array(frac), 1.0, latency_steps)]
 
 
 def _stack(topology, link_ids, phases: dict, group_size, collective) -> CollectivePricing:
@@ -310,7 +371,7 @@ def _stack(topology, link_ids, phases: dict, group_size, collective) -> Collecti
             used |= (ph.incidence > 0).any(axis=0)
     links = np.flatnonzero(used)
     algs = []
-    for plist in phases.values():
+    for name, plist in phases.items():
         n_flows = max(len(ph.frac) for ph in plist)
         inc = np.zeros((len(plist), n_flows, len(links)))
         frac = np.zeros((len(plist), n_flows))
@@ -319,7 +380,9 @@ def _stack(topology, link_ids, phases: dict, group_size, collective) -> Collecti
             frac[p, : len(ph.frac)] = ph.frac
         steps = np.array([ph.steps for ph in plist], dtype=float)
         lat = np.array([ph.latency_steps for ph in plist], dtype=float)
-        algs.append(AlgorithmArrays(*(jnp.asarray(a) for a in (inc, frac, steps, lat))))
+        in_switch = np.array(1.0 if name in SWITCH_ALGORITHMS else 0.0)
+        arrays = (jnp.asarray(a) for a in (inc, frac, steps, lat, in_switch))
+        algs.append(AlgorithmArrays(*arrays))
     links = link_ids[links]
     return CollectivePricing(
         links=jnp.asarray(links),
@@ -374,11 +437,12 @@ def _algorithm_s(
     return jnp.sum(band) + jnp.sum(lat)
 
 
-def _effective_links(pricing: CollectivePricing, capacity_Bps, params: Params):
+def _effective_links(pricing: CollectivePricing, capacity_Bps, params: Params, in_switch=0.0):
     """Capacities times their class's efficiency and latencies times its scale, on the
-    pricing's links."""
+    pricing's links; NVLink links run at ``nvls_eff`` for an algorithm ``in_switch``."""
     fast = pricing.nvlink
-    eff = fast * params.nvlink_eff + (1.0 - fast) * params.nic_eff
+    nvlink_eff = params.nvlink_eff + in_switch * (params.nvls_eff - params.nvlink_eff)
+    eff = fast * nvlink_eff + (1.0 - fast) * params.nic_eff
     capacity = jnp.take(jnp.asarray(capacity_Bps), pricing.links) * eff
     scale = fast * params.nvlink_latency_scale + (1.0 - fast) * params.nic_latency_scale
     return capacity, pricing.latency_s * scale
@@ -410,26 +474,30 @@ def collective_time_s(
             (a link used by two phases carries both; links of different phases overlap);
             False: the phases' times add.
     """
-    capacity, latency = _effective_links(pricing, capacity_Bps, params)
-    times = [
-        _algorithm_s(alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
-        for alg in pricing.algorithms
-    ]
+    reduce_s = 0.0
+    if pricing.collective in REDUCES:
+        reduce_s = TRAFFIC[pricing.collective] / 2.0 * msg_bytes / params.reduce_Bps
+    times = []
+    for alg in pricing.algorithms:
+        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch)
+        t = _algorithm_s(
+            alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined
+        )
+        # an in-switch reduction skips the GPU's pass and pays the switch's setup per call
+        switch_s = params.nvls_latency_s * _present(msg_bytes)
+        times.append(t + (1.0 - alg.in_switch) * reduce_s + alg.in_switch * switch_s)
     best = times[0]
     if len(times) > 1:
         best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)
-    if pricing.collective in REDUCES:
-        traffic = TRAFFIC[pricing.collective]
-        best = best + traffic / 2.0 * msg_bytes / params.reduce_Bps
     return best + params.collective_overhead_s * _present(msg_bytes)
 
 
 def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0):
     """``{name: seconds}`` of each algorithm alone (bandwidth and latency terms only)."""
-    capacity, latency = _effective_links(pricing, capacity_Bps, params)
-    return {
-        name: _algorithm_s(
+    out = {}
+    for name, alg in zip(pricing.names, pricing.algorithms):
+        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch)
+        out[name] = _algorithm_s(
             alg, msg_bytes, capacity, latency, params, temperature, most_loaded_link_s, True
         )
-        for name, alg in zip(pricing.names, pricing.algorithms)
-    }
+    return out

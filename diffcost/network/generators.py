@@ -26,9 +26,29 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from diffcost.gpus import gpu_family
 from diffcost.network.graph import GraphBuilder, LinkSpec, Topology
 from diffcost.specs import ClusterSpec
 from diffcost.topology import DGX1_LINKS
+
+# GPU families whose NVSwitches reduce in the network (NVLink SHARP, "NVLS" in NCCL): the
+# third-generation NVSwitch of HGX/DGX H100-class systems "incorporates hardware acceleration
+# for collective operations with multicast and NVIDIA SHARP in-network reductions" (NVIDIA,
+# "Upgrading Multi-GPU Interconnectivity with the Third-Generation NVIDIA NVSwitch", 2022),
+# and the fourth-generation NVLink Switch of HGX B200 and GB200/GB300 NVL72 keeps it; NCCL uses
+# it over NVLink only ("NVLink SHARP is an AllReduce offload system over NVLink only",
+# NVIDIA/nccl#1031). A100 (second-generation NVSwitch) and V100 have none.
+SWITCH_REDUCTION_FAMILIES = (
+    "h100",
+    "h200",
+    "h800",
+    "h20",
+    "gh200",
+    "b200",
+    "b300",
+    "gb200",
+    "gb300",
+)
 
 
 def _positive(name: str, value) -> int:
@@ -44,18 +64,26 @@ def _whole(name: str, value: float, why: str) -> int:
     return int(round(value))
 
 
-def switch_domain(gpus: int, link: LinkSpec, switches: int = 1) -> Topology:
+def switch_domain(
+    gpus: int, link: LinkSpec, switches: int = 1, switch_reduction: bool = False
+) -> Topology:
     """``gpus`` GPUs behind NVSwitches (a DGX/HGX node, an NVL72 rack).
 
     Each GPU has ``link.bandwidth_Bps`` in total, split evenly over ``switches`` switch planes
     (one logical switch by default). Bisection: ``gpus / 2 * link.bandwidth_Bps``.
+    ``switch_reduction``: the switches reduce in the network (NVLink SHARP, third-generation
+    NVSwitch and later: ``SWITCH_REDUCTION_FAMILIES``), which offers the ``nvls`` collectives.
     """
     gpus, switches = _positive("gpus", gpus), _positive("switches", switches)
+    if not isinstance(switch_reduction, (bool, np.bool_)):
+        raise ValueError(f"switch_reduction={switch_reduction!r}: expected true or false")
     b = GraphBuilder()
     gpu_ids = b.nodes("gpu", gpus)
     for switch in b.nodes("nvswitch", switches):
         for g in gpu_ids:
             b.cable(g, switch, link.scaled(1.0 / switches))
+        if switch_reduction:
+            b.reducing.add(switch)
     return b.build(f"switch_domain({gpus})", gpu_ids)
 
 
@@ -362,15 +390,25 @@ def explicit(
     return b.build(name, endpoints)
 
 
-def node_domain(cluster: ClusterSpec) -> Topology:
+def switch_reduction_of(cluster: ClusterSpec) -> bool:
+    """Whether ``cluster``'s NVSwitches reduce in the network: a switch node of a GPU family
+    in ``SWITCH_REDUCTION_FAMILIES``."""
+    family = gpu_family(cluster.gpu.name)
+    return cluster.intra_node == "switch" and family in SWITCH_REDUCTION_FAMILIES
+
+
+def node_domain(cluster: ClusterSpec, switch_reduction: bool | None = None) -> Topology:
     """The NVLink domain of one node of ``cluster``: its ``intra_node`` kind, the GPU's
     ``nvlink_GBps`` (both directions added) split per link, ``nvlink_latency_us`` per GPU to
-    GPU transfer (half on each hop through a switch)."""
+    GPU transfer (half on each hop through a switch). A switch reduces in the network where
+    ``switch_reduction`` says so (default: ``switch_reduction_of(cluster)``)."""
     g = cluster.gpus_per_node
     per_gpu_Bps = cluster.nvlink_GBps * 1e9 / 2.0
     latency_s = cluster.nvlink_latency_us * 1e-6
+    if switch_reduction is None:
+        switch_reduction = switch_reduction_of(cluster)
     if cluster.intra_node == "switch":
-        return switch_domain(g, LinkSpec(per_gpu_Bps, latency_s / 2.0))
+        return switch_domain(g, LinkSpec(per_gpu_Bps, latency_s / 2.0), 1, switch_reduction)
     if cluster.intra_node == "mesh":
         return mesh(g, LinkSpec(per_gpu_Bps / max(g - 1, 1), latency_s))
     if cluster.intra_node == "cube-mesh":
@@ -378,19 +416,24 @@ def node_domain(cluster: ClusterSpec) -> Topology:
     raise ValueError(f"intra_node={cluster.intra_node!r}: no graph generator for it")
 
 
-def from_cluster(cluster: ClusterSpec, nodes: int) -> Topology:
+def from_cluster(
+    cluster: ClusterSpec, nodes: int, switch_reduction: bool | None = None
+) -> Topology:
     """The graph a ``ClusterSpec`` describes, for ``nodes`` nodes.
 
     Each node is ``node_domain(cluster)`` with ``nics_per_node`` NICs of ``nic_Gbps``; the
     NICs of a node share a leaf whose uplink to one spine carries their bandwidth divided by
     ``oversubscription`` (the cost model divides every inter-node transfer by it). The NIC
     latency is split over the four fabric hops of an inter-node path (NIC, leaf, spine, leaf,
-    NIC), so that the path sums to ``nic_latency_us``.
+    NIC), so that the path sums to ``nic_latency_us``. ``switch_reduction`` as
+    ``node_domain``.
     """
     nodes = _positive("nodes", nodes)
     nic = LinkSpec(cluster.nic_Gbps * 1e9 / 8.0, cluster.nic_latency_us * 1e-6 / 4.0)
     fabric = leaf_spine(nodes, cluster.nics_per_node, nic, cluster.oversubscription)
-    graph = hierarchical(node_domain(cluster), nodes, fabric, LinkSpec(nic.bandwidth_Bps))
+    graph = hierarchical(
+        node_domain(cluster, switch_reduction), nodes, fabric, LinkSpec(nic.bandwidth_Bps)
+    )
     return renamed(graph, f"{cluster.name} x {nodes}")
 
 

@@ -52,6 +52,8 @@ class Topology:
         domain: ``[endpoints]`` the fast domain (NVLink node, NVL72 rack) of each endpoint;
             the hierarchical collective reduces inside a domain first.
         coords: ``[endpoints, dims]`` torus coordinates of each endpoint, or None.
+        reducing: ``[nodes]`` True for a switch that reduces in the network (NVLink SHARP
+            in an NVSwitch), or None where no node does.
 
     Arrays are read-only; ``fingerprint`` identifies the graph for caches.
     """
@@ -66,12 +68,14 @@ class Topology:
     endpoints: np.ndarray
     domain: np.ndarray
     coords: np.ndarray | None = None
+    reducing: np.ndarray | None = None
 
     def __post_init__(self):
         for field in ("src", "dst", "bandwidth_Bps", "latency_s", "count", "endpoints", "domain"):
             getattr(self, field).setflags(write=False)
-        if self.coords is not None:
-            self.coords.setflags(write=False)
+        for field in ("coords", "reducing"):
+            if getattr(self, field) is not None:
+                getattr(self, field).setflags(write=False)
 
     @property
     def n_nodes(self) -> int:
@@ -96,7 +100,15 @@ class Topology:
             digest.update(np.ascontiguousarray(array).tobytes())
         if self.coords is not None:
             digest.update(np.ascontiguousarray(self.coords).tobytes())
+        if self.reducing is not None and self.reducing.any():
+            digest.update(b"reducing" + np.ascontiguousarray(self.reducing).tobytes())
         return digest.hexdigest()
+
+    def reducing_nodes(self) -> np.ndarray:
+        """Ids of the switches that reduce in the network (empty where none do)."""
+        if self.reducing is None:
+            return np.zeros(0, dtype=int)
+        return np.flatnonzero(self.reducing)
 
     def nodes_of(self, kind: str) -> np.ndarray:
         """Ids of the nodes of one kind."""
@@ -143,6 +155,7 @@ class GraphBuilder:
     def __init__(self):
         self.kinds: list[str] = []
         self.links: list[tuple[int, int, float, float, int]] = []
+        self.reducing: set[int] = set()
 
     def node(self, kind: str) -> int:
         """Add a node of ``kind``; returns its id."""
@@ -174,6 +187,7 @@ class GraphBuilder:
         """Copy ``topology``'s nodes and links in; returns the id its node 0 now has."""
         offset = len(self.kinds)
         self.kinds.extend(topology.kinds)
+        self.reducing.update(int(i) + offset for i in topology.reducing_nodes())
         for i in range(topology.n_links):
             self.links.append(
                 (
@@ -194,6 +208,9 @@ class GraphBuilder:
             endpoints: node ids ranks are placed on, in rank order.
             domain: ``[endpoints]`` domain ids (default: all in one domain).
             coords: ``[endpoints, dims]`` torus coordinates, or None.
+
+        The nodes in ``self.reducing`` (switches that reduce in the network) become the
+        topology's ``reducing``.
         """
         merged: dict[tuple, int] = {}
         for a, b, bw, lat, count in self.links:
@@ -213,6 +230,7 @@ class GraphBuilder:
             endpoints=endpoints,
             domain=domain,
             coords=None if coords is None else np.asarray(coords, dtype=int),
+            reducing=np.isin(np.arange(len(self.kinds)), sorted(self.reducing)),
         )
 
 

@@ -53,6 +53,12 @@ def _float(value, where, path):
     return float(value)
 
 
+def _bool(value, where, path):
+    if not isinstance(value, bool):
+        raise invalid(where, path, value, "true or false")
+    return value
+
+
 def _ints(value, where, path):
     if not isinstance(value, list) or not value:
         raise invalid(where, path, value, "a non-empty list of positive integers")
@@ -135,7 +141,12 @@ _LINK = (_link, True)
 GENERATORS: dict[str, tuple[Callable[..., Topology], dict[str, tuple[Checker, bool]]]] = {
     "switch_domain": (
         gen.switch_domain,
-        {"gpus": (_int, True), "link": _LINK, "switches": (_int, False)},
+        {
+            "gpus": (_int, True),
+            "link": _LINK,
+            "switches": (_int, False),
+            "switch_reduction": (_bool, False),
+        },
     ),
     "mesh": (gen.mesh, {"gpus": (_int, True), "link": _LINK}),
     "cube_mesh": (gen.cube_mesh, {"link": _LINK}),

@@ -1,0 +1,129 @@
+"""Fit the constants only the graph path uses (``diffcost.network.cost``) to collective tables.
+
+``calibration.fit`` fits every constant ``diffcost.comm`` uses; the in-switch reduction's
+constants (``SWITCH_CONSTANTS``: NVLink SHARP's efficiency and its fixed cost per call) enter
+only the graph path, so the joint fit leaves them at their prior. This fits them per GPU family
+(they are device constants) on tables priced on the graph, with everything else held at the
+clusters' profiles: the same robust penalty on ``log(predicted / measured)`` as the joint fit
+(Huber turning into Cauchy, ``FitConfig.redescend``) plus the same Gaussian prior around the
+datasheet defaults (``Constant.prior_sd``, ``FitConfig.prior_weight``), by Adam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from calibration.fit import FitConfig, robust_penalty
+from diffcost.params import CONSTANT, Params, raw_default
+
+SWITCH_CONSTANTS = ("nvls_eff", "nvls_latency_s")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PricedTable:
+    """One measured table priced on a graph.
+
+    Attributes:
+        cluster, family: where it was measured and the GPU family whose constants it informs.
+        price: ``(params, sizes) -> seconds`` (jit- and grad-able in ``params``).
+        sizes: ``[rows]`` message sizes (bytes).
+        measured_s: ``[rows]`` measured times.
+        params: the cluster's constants the fit starts from and holds.
+    """
+
+    cluster: str
+    family: str
+    price: Callable[[Params, jax.Array], jax.Array]
+    sizes: np.ndarray
+    measured_s: np.ndarray
+    params: Params
+
+
+class SwitchFit:
+    """The fit of ``names`` per GPU family of ``tables``, compiled once per family (the whole
+    Adam run in one program) and run for any row weights (``fit``).
+
+    Every row of weight 1 weighs the same; the prior is ``cfg.prior_weight`` times the squared
+    distance of each raw constant from its datasheet default in units of its prior width, as
+    in ``calibration.fit``; the penalty turns from Huber's into Cauchy's over
+    ``cfg.redescend`` of ``steps``.
+
+    Raises:
+        ValueError: an unknown constant name.
+    """
+
+    def __init__(
+        self,
+        tables: list[PricedTable],
+        names: tuple[str, ...] = SWITCH_CONSTANTS,
+        cfg: FitConfig | None = None,
+        steps: int = 200,
+        learning_rate: float = 0.05,
+    ):
+        unknown = [n for n in names if n not in CONSTANT]
+        if unknown:
+            raise ValueError(f"unknown constants {unknown}: expected names of diffcost.params")
+        self.tables = list(tables)
+        self.constants = [CONSTANT[n] for n in names]
+        self.cfg = dataclasses.replace(cfg or FitConfig(), steps=steps)
+        self.learning_rate = learning_rate
+        self.families = sorted({t.family for t in self.tables})
+        self._runs = {f: self._compile(f) for f in self.families}
+
+    def _compile(self, family: str):
+        mine = [t for t in self.tables if t.family == family]
+        leaves = tuple(c.leaf for c in self.constants)
+        raw0 = jnp.stack([raw_default(c) for c in self.constants])
+        width = jnp.asarray([c.prior_sd for c in self.constants])
+        cfg, opt = self.cfg, optax.adam(self.learning_rate)
+        lo, hi = (f * cfg.steps for f in cfg.redescend)
+        sizes = [jnp.asarray(t.sizes, dtype=float) for t in mine]
+        log_meas = [jnp.log(jnp.asarray(t.measured_s, dtype=float)) for t in mine]
+
+        def loss(raw, redescend, weights):
+            total, rows = 0.0, 0.0
+            for t, size, meas, w in zip(mine, sizes, log_meas, weights):
+                resid = jnp.log(t.price(t.params.replace(**dict(zip(leaves, raw))), size)) - meas
+                total = total + jnp.sum(w * robust_penalty(resid, cfg.huber_delta, redescend))
+                rows = rows + jnp.sum(w)
+            prior = jnp.sum(jnp.square((raw - raw0) / width))
+            return total / jnp.maximum(rows, 1.0) + cfg.prior_weight * prior
+
+        def run(weights):
+            def step(i, carry):
+                raw, state = carry
+                redescend = jnp.clip((i - lo) / max(hi - lo, 1e-9), 0.0, 1.0)
+                updates, state = opt.update(jax.grad(loss)(raw, redescend, weights), state)
+                return optax.apply_updates(raw, updates), state
+
+            return jax.lax.fori_loop(0, cfg.steps, step, (raw0, opt.init(raw0)))[0]
+
+        return jax.jit(run), mine
+
+    def fit(self, keep: dict | None = None) -> dict[str, dict[str, float]]:
+        """``{family: {name: constrained value}}`` fitted on the rows ``keep[id(table)]``
+        (``[rows]`` booleans; default every row) of each family's tables."""
+        keep = keep or {}
+        out = {}
+        for family, (run, mine) in self._runs.items():
+            weights = tuple(
+                jnp.asarray(keep.get(id(t), np.ones(len(t.sizes), bool)), dtype=float) for t in mine
+            )
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 step count in
+                raw = np.asarray(run(weights))
+            squash = {"log": np.exp, "logit": lambda x: 1.0 / (1.0 + np.exp(-x))}
+            out[family] = {
+                c.name: float(squash[c.transform](r)) for c, r in zip(self.constants, raw)
+            }
+        return out
+
+
+def fit_switch_constants(tables: list[PricedTable], **kwargs) -> dict[str, dict[str, float]]:
+    """``SwitchFit(tables, **kwargs).fit()``: the constants fitted on every row."""
+    return SwitchFit(tables, **kwargs).fit()

@@ -1,0 +1,109 @@
+"""In-switch reduction (NVLink SHARP, ``nvls``) on the graph path: its closed form on one node,
+its absence where the topology declares no reducing switch, finite gradients, and the fit of its
+constants (``calibration.network_fit``) recovering known values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from calibration.network_fit import PricedTable, fit_switch_constants
+from diffcost.config import ConfigError, load_cluster
+from diffcost.network import cost
+from diffcost.network.generators import from_cluster, switch_domain
+from diffcost.network.graph import LinkSpec
+from diffcost.network.load import load_topology
+from diffcost.params import default_params
+
+MiB = 2.0**20
+SHARES = {"all_reduce": (1.125, 1.125), "reduce_scatter": (1.0, 0.125), "all_gather": (0.125, 1.0)}
+
+
+@pytest.mark.parametrize("collective", sorted(SHARES))
+@pytest.mark.parametrize("switches", [1, 4])
+def test_nvls_on_one_node_is_its_closed_form(collective, switches):
+    n, bw, lat = 8, 450e9, 1e-6
+    topo = switch_domain(n, LinkSpec(bw, lat), switches, switch_reduction=True)
+    params = default_params(jnp.float64)
+    pricing = cost.collective_pricing(topo, collective, n, algorithms=("nvls",))
+    msg = 256 * MiB
+    got = cost.collective_time_s(pricing, msg, topo.capacity_Bps, params, temperature=0.0)
+    present = msg / (msg + 1.0)
+    step = msg + float(params.half_bw_bytes) * present
+    band = max(SHARES[collective]) * step / (bw * float(params.nvls_eff))
+    passes = 2 if collective == "all_reduce" else 1  # each up and down one GPU-switch hop
+    latency = passes * 2 * lat * float(params.nvlink_latency_scale) * present
+    fixed = (float(params.nvls_latency_s) + float(params.collective_overhead_s)) * present
+    assert float(got) == pytest.approx(band + latency + fixed, rel=1e-9)  # no GPU reduce pass
+
+
+def test_nvls_is_offered_only_where_switches_reduce():
+    plain = switch_domain(8, LinkSpec(450e9, 1e-6))
+    reducing = switch_domain(8, LinkSpec(450e9, 1e-6), switch_reduction=True)
+    assert "nvls" not in cost.default_algorithms(plain, "all_reduce")
+    assert "nvls" in cost.default_algorithms(reducing, "all_reduce")
+    assert "nvls" not in cost.default_algorithms(reducing, "all_to_all")
+    assert plain.fingerprint != reducing.fingerprint
+    with pytest.raises(ValueError, match="nvls"):
+        cost.collective_pricing(plain, "all_reduce", 8, algorithms=("nvls",))
+    a100 = from_cluster(load_cluster("vtrain-a100"), 1)  # second-generation NVSwitch
+    h100 = from_cluster(load_cluster("dgx-h100"), 1)
+    assert "nvls" not in cost.collective_pricing(a100, "all_reduce", 8).names
+    assert "nvls" in cost.collective_pricing(h100, "all_reduce", 8).names
+    mi350 = from_cluster(load_cluster("generic-mi350"), 1)  # a mesh: no switch
+    assert "nvls" not in cost.collective_pricing(mi350, "all_reduce", 8).names
+
+
+def test_nvls_is_left_out_for_a_group_across_nodes():
+    topo = from_cluster(load_cluster("dgx-h100"), 2)
+    assert len(topo.reducing_nodes()) == 2  # one switch per node, both reducing
+    assert "nvls" not in cost.collective_pricing(topo, "all_reduce", 16).names
+    assert "nvls" in cost.collective_pricing(topo, "all_reduce", 8, n_groups=2).names
+    with pytest.raises(ValueError, match="same reducing switches"):
+        cost.collective_pricing(topo, "all_reduce", 16, algorithms=("nvls",))
+
+
+def test_switch_reduction_in_yaml(tmp_path):
+    assert len(load_topology("gb200-nvl72-racks").reducing_nodes()) > 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "generator: switch_domain\ngpus: 8\nswitch_reduction: yes please\n"
+        "link: {bandwidth_GBps: 450, latency_us: 1}\n"
+    )
+    with pytest.raises(ConfigError, match="switch_reduction"):
+        load_topology(bad)
+
+
+def test_nvls_gradients_are_finite_and_reach_its_constants():
+    topo = from_cluster(load_cluster("dgx-h100"), 1)
+    pricing = cost.collective_pricing(topo, "all_reduce", 8)
+    params = default_params(jnp.float64)
+    cap = jnp.asarray(topo.capacity_Bps)
+
+    def time(p, c):
+        return cost.collective_time_s(pricing, 1024 * MiB, c, p, temperature=1e-3)
+
+    g_params, g_cap = jax.grad(time, argnums=(0, 1))(params, cap)
+    for leaf in jax.tree_util.tree_leaves(g_params) + [g_cap]:
+        assert np.all(np.isfinite(np.asarray(leaf)))
+    assert float(g_params.nvls_eff_logit) < 0.0  # a faster switch shortens the large message
+    assert float(g_params.nvls_latency_log_s) > 0.0
+    assert float(g_params.reduce_log_Bps) == pytest.approx(0.0, abs=1e-12)  # NVLS chosen
+
+
+def test_fit_recovers_known_switch_constants():
+    topo = switch_domain(8, LinkSpec(450e9, 1e-6), switch_reduction=True)
+    pricing = cost.collective_pricing(topo, "all_reduce", 8, algorithms=("nvls",))
+    cap = jnp.asarray(topo.capacity_Bps)
+    price = jax.jit(
+        jax.vmap(lambda p, m: cost.collective_time_s(pricing, m, cap, p, 0.0), in_axes=(None, 0))
+    )
+    params = default_params(jnp.float64)
+    truth = params.replace(
+        nvls_eff_logit=jnp.log(0.6 / 0.4), nvls_latency_log_s=jnp.log(jnp.asarray(15e-6))
+    )
+    sizes = 2.0 ** np.arange(14, 34)
+    table = PricedTable("t", "h100", price, sizes, np.asarray(price(truth, sizes)), params)
+    fitted = fit_switch_constants([table], steps=400)["h100"]
+    assert fitted["nvls_eff"] == pytest.approx(0.6, rel=0.02)
+    assert fitted["nvls_latency_s"] == pytest.approx(15e-6, rel=0.05)
