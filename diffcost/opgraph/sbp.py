@@ -400,10 +400,16 @@ def _shard_fraction(sig: Signature, tensors, n: int) -> float:
     return sum(t.bytes / (n if x.kind == "S" else 1.0) for t, x in zip(tensors, layouts)) / total
 
 
-def candidate_arrays(problem: SbpProblem, base: GraphArrays, dtype=None) -> GraphArrays:
+def candidate_arrays(
+    problem: SbpProblem, base: GraphArrays, dtype=None, shares=None
+) -> GraphArrays:
     """``GraphArrays`` with one row per (operator node, signature), ``[n_nodes * K]``; stored
-    tensors' rows are empty."""
+    tensors' rows are empty. ``shares(signature, tensors)`` gives a signature's GEMM divisors
+    and the share of the operator's tensor bytes one device touches (default: the 1-D
+    signature's on ``mesh_size`` devices)."""
     g, n, k = problem.graph, problem.mesh_size, problem.max_signatures
+    if shares is None:
+        shares = lambda sig, tensors: (sig.gemm_divisor, _shard_fraction(sig, tensors, n))  # noqa: E731
     rows = len(problem.nodes) * k
     gemm, hbm = np.zeros((rows, 4)), np.zeros(rows)
     pick = np.zeros(rows, dtype=np.int64)
@@ -418,8 +424,9 @@ def candidate_arrays(problem: SbpProblem, base: GraphArrays, dtype=None) -> Grap
         for s, sig in enumerate(node.signatures):
             r = i * k + s
             pick[r], present[r] = node.op, 1.0
-            gemm[r] = base_gemm[node.op] / np.asarray(sig.gemm_divisor)
-            hbm[r] = base_hbm[node.op] * _shard_fraction(sig, tensors, n)
+            divisor, share = shares(sig, tensors)
+            gemm[r] = base_gemm[node.op] / np.asarray(divisor)
+            hbm[r] = base_hbm[node.op] * share
             factor[r] = 1.0 + BACKWARD_FACTOR.get(op.kind, 1.0)
     f = lambda a: jnp.asarray(a, dtype=dtype or base.gemm.dtype)  # noqa: E731
     return GraphArrays(
