@@ -40,7 +40,9 @@ def register(subparsers) -> None:
     common.add_profile_argument(s)
     common.add_json_argument(s)
     s.add_argument("--top", type=int, default=5, metavar="K", help="print the K best plans")
-    s.add_argument("--starts", type=int, default=32, help="relaxed starts descending at once")
+    s.add_argument(
+        "--starts", type=int, default=32, help="relaxed starts descending at once (not --sbp: 64)"
+    )
     s.add_argument(
         "--steps",
         type=int,

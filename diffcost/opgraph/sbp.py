@@ -10,9 +10,9 @@ channels), and splitting one loop over the mesh gives the signature where every 
 by that loop is ``S`` along the axis it indexes, every other input is ``B``, and an output that
 the loop is summed out of is ``P``. With the all-``B`` signature (every device computes
 everything) that reproduces OneFlow's tables: a matmul ``x @ w`` has ``S(0) x B -> S(0)`` (data
-parallel), ``B x S(1) -> S(1)`` (column parallel), ``S(1) x S(0) -> P`` (row parallel) and ``B x
-B -> B``. Layout operators (reshape, transpose, broadcast) carry a split through when the axis
-maps one to one.
+parallel), ``B x S(1) -> S(1)`` (column parallel), ``S(1) x S(0) -> P`` (row parallel) and
+``B x B -> B``. Layout operators (reshape, transpose, broadcast) carry a split through when the
+axis maps one to one.
 
 Costs, all in seconds on one device (the devices run in lock step):
 
