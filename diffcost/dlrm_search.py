@@ -13,11 +13,14 @@
 2. **Rounding.** Each start's most probable type and rank per table, and ``samples`` plans
    drawn from its probabilities (canonicalized: ``dlrm_cost.canonical``), evaluated exactly
    (temperature 0).
-3. **Polish.** A discrete local search from the best rounded plans: every plan that changes
-   one table's choice (another type at its rank, or its type at another rank) or swaps two
-   tables' placement ranks is evaluated in one batch, and each walker moves to its best
-   neighbour while that improves; where no single move improves and the problem is small
-   enough (at most ``pair_limit`` of them), moves of two tables at once are tried as well.
+3. **Polish.** A discrete local search from the best rounded plans, and (``greedy_start``,
+   the default) from the greedy plan as well, so the result is never slower than greedy's
+   (``DlrmSearchResult.started_from`` says which start the best plan came from, ``gradient``
+   is the best plan of the rounded starts alone): every plan that changes one table's choice
+   (another type at its rank, or its type at another rank) or swaps two tables' placement
+   ranks is evaluated in one batch, and each walker moves to its best neighbour while that
+   improves; where no single move improves and the problem is small enough (at most
+   ``pair_limit`` of them), moves of two tables at once are tried as well.
 
 Plans that do not fit in memory rank after every plan that fits (by peak memory among
 themselves). Two baselines: ``greedy`` (TorchRec-planner-like: tables sorted by cost, each
@@ -74,6 +77,7 @@ class DlrmSearchConfig:
     walkers: int = 8
     max_rounds: int = 50
     pair_limit: int = 5000  # two-table moves per walker tried when single moves stop improving
+    greedy_start: bool = True  # polish the greedy plan too (never worse than greedy then)
     seed: int = 0
 
     def __post_init__(self):
@@ -104,12 +108,18 @@ class Scored:
 
 @dataclasses.dataclass(frozen=True)
 class DlrmSearchResult:
-    """What ``search`` found: the best plan, the best plan straight after rounding, counts."""
+    """What ``search`` found: the best plan, the best plan straight after rounding, counts;
+    ``gradient`` the best plan polished from the rounded starts alone, ``greedy`` the greedy
+    plan (None without ``greedy_start``) and ``started_from`` where the best plan's local
+    search began: ``"gradient"`` (a rounded start) or ``"greedy"``."""
 
     best: Scored
     rounded: Scored
     evaluated: int
     seconds: float
+    gradient: Scored | None = None
+    greedy: Scored | None = None
+    started_from: str = "gradient"
 
 
 # ------------------------------------------------------------------------------------------
@@ -324,22 +334,31 @@ def search(problem: ShardingProblem, cfg: DlrmSearchConfig | None = None) -> Dlr
     near = round_logits(jax.device_get(logits), problem, cfg.sample_tau, cfg.samples, cfg.seed)
     rounded = sorted(evaluate(near), key=Scored.key)
     walkers, _ = local_search(evaluate, rounded[: cfg.walkers], cfg.max_rounds, cfg.pair_limit)
+    best, start, baseline = best_of(walkers), "gradient", None
+    if cfg.greedy_start:
+        baseline = greedy(problem, evaluate)
+        polished, _ = local_search(evaluate, [baseline], cfg.max_rounds, cfg.pair_limit)
+        if best_of(polished).key() < best.key():
+            best, start = best_of(polished), "greedy"
     return DlrmSearchResult(
-        best=best_of(walkers),
+        best=best,
         rounded=rounded[0],
         evaluated=len(evaluate.cache),
         seconds=time.perf_counter() - t0,
+        gradient=best_of(walkers),
+        greedy=baseline,
+        started_from=start,
     )
 
 
-def greedy(problem: ShardingProblem) -> Scored:
+def greedy(problem: ShardingProblem, evaluate: Evaluator | None = None) -> Scored:
     """TorchRec-planner-like greedy: tables in decreasing order of their table-wise lookup
     cost; each takes the choice (type and rank) that makes the plan of the tables placed so
     far fastest among those that fit (the least-loaded rank, the cheapest type), or the
-    smallest peak memory when none fits."""
+    smallest peak memory when none fits. ``evaluate``: an evaluator to share (its cache)."""
     costs = jax.device_get(table_costs(problem))
     order = np.argsort(-(costs.lookup_fwd_s[:, TW] + costs.lookup_bwd_s[:, TW]), kind="stable")
-    evaluate = Evaluator(problem)
+    evaluate = evaluate or Evaluator(problem)
     menu = options(problem.layout)
     plan: list = [None] * len(order)
     for t in order:

@@ -50,16 +50,20 @@ def add_experiment_arguments(parser: argparse.ArgumentParser, required: bool = T
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. plan.tp=4")
 
 
-def add_space_arguments(parser: argparse.ArgumentParser) -> None:
+def add_space_arguments(parser: argparse.ArgumentParser, batch_required: bool = True) -> None:
     """Add the arguments fixing a plan space: model, ``--cluster``, ``--gpus``, batch, sequence.
 
     Args:
         parser: the command's parser (``search`` and ``sweep``).
+        batch_required: whether argparse requires ``--global-batch`` (``search`` checks it
+            itself: its graph and embedding searches have default batches).
     """
     parser.add_argument("model", metavar="MODEL", help="model preset (gpt3-175b) or YAML path")
     parser.add_argument("--cluster", required=True, help="cluster preset or YAML path")
     parser.add_argument("--gpus", type=int, required=True, help="GPU count")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    parser.add_argument(
+        "--global-batch", type=int, required=batch_required, help="sequences per iteration"
+    )
     parser.add_argument("--seq", type=int, help="sequence length (overrides the model's)")
 
 

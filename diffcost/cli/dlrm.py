@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     problem = make_problem(spec, cluster, args.gpus, params)
     cfg = DlrmSearchConfig(starts=args.starts, steps=args.steps, seed=args.seed)
     result = search(problem, cfg)
-    baseline = greedy(problem)
+    baseline = result.greedy or greedy(problem)
     out = {
         "model": spec.name,
         "cluster": cluster.name,
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         "profile": note,
         "search_seconds": result.seconds,
         "evaluated": result.evaluated,
+        "started_from": result.started_from,
         "best": plan_dict(spec, problem, result.best),
         "greedy": plan_dict(spec, problem, baseline),
     }
@@ -103,4 +104,7 @@ def _print(out: dict) -> None:
         f"of {best['memory_capacity_bytes'] / GiB:.0f} GiB"
         + ("" if best["fits"] else " (does NOT fit)")
     )
-    print(f"{out['evaluated']} plans evaluated in {out['search_seconds']:.1f} s; {out['profile']}")
+    print(
+        f"{out['evaluated']} plans evaluated in {out['search_seconds']:.1f} s (best polished from "
+        f"the {out['started_from']} start); {out['profile']}"
+    )

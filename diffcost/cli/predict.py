@@ -16,7 +16,7 @@ from rich.console import Console
 from diffcost import api, trace
 from diffcost import config as config_mod
 from diffcost.arrays import GiB
-from diffcost.cli import common
+from diffcost.cli import common, graph
 from diffcost.interval import predict_interval
 from diffcost.megatron_args import parse_megatron_args
 from diffcost.simulate import STATUS_NAMES, Breakdown, time_part
@@ -78,6 +78,7 @@ def register(subparsers) -> None:
         "stack the profile was fitted on. A known stack's calibrated offsets apply; a stack "
         "without end-to-end runs in the profile widens the 80%% interval and adds a warning",
     )
+    graph.add_graph_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -191,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         ConfigError: a bad config, override or Megatron flag.
         diffcost.profiles.ProfileError: a bad ``--profile``.
     """
+    if args.graph or graph.graph_config(args.config):
+        return graph.run_predict(args)
     exp = _experiment(args)
     if canonical(args.stack) in STACK_NAMES:
         exp = dataclasses.replace(exp, stack=canonical(args.stack))

@@ -3,6 +3,9 @@
 ``diffcost.search.search`` finds the plans; this module loads the space, predicts each plan
 found in full (``diffcost.api.predict``) and reports them: the best one as ``predict`` prints
 it, then a table of the top K, or one JSON object. Exit code 1 when no plan fits.
+
+``--sbp`` searches the per-operator sharding of a graph model instead (``diffcost.cli.graph``)
+and ``--embedding-sharding`` a DLRM's embedding-table sharding (``diffcost.cli.dlrm``).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import sys
 from diffcost import api
 from diffcost import search as search_mod
 from diffcost.arrays import GiB
-from diffcost.cli import common
+from diffcost.cli import common, dlrm, graph
 from diffcost.cli.predict import breakdown_dict, print_prediction
+from diffcost.config import ConfigError
 from diffcost.profiles import params_for
 from diffcost.simulate import STATUS_NAMES
 from diffcost.space import Choice, Space, load_space
@@ -32,13 +36,32 @@ def register(subparsers) -> None:
     s = subparsers.add_parser(
         "search", help="find a fast plan that fits (gradient descent + polish)"
     )
-    common.add_space_arguments(s)
+    common.add_space_arguments(s, batch_required=False)
     common.add_profile_argument(s)
     common.add_json_argument(s)
     s.add_argument("--top", type=int, default=5, metavar="K", help="print the K best plans")
-    s.add_argument("--starts", type=int, default=32, help="relaxed starts descending at once")
-    s.add_argument("--steps", type=int, default=150, help="optimizer steps per start")
+    s.add_argument(
+        "--starts", type=int, default=32, help="relaxed starts descending at once (not --sbp: 64)"
+    )
+    s.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps per start (default 150; --sbp 400, --embedding-sharding 200)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seed of the random starts")
+    kind = s.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--sbp",
+        action="store_true",
+        help="search the per-operator sharding of a graph model (MODEL: a zoo name or "
+        "module:function) on a 1-D mesh of --gpus GPUs; --global-batch: its batch",
+    )
+    kind.add_argument(
+        "--embedding-sharding",
+        action="store_true",
+        help="shard a DLRM's embedding tables (as 'diffcost shard-embeddings')",
+    )
+    s.add_argument("--trace", metavar="FILE.json", help="with --sbp: write the step's timeline")
     s.set_defaults(func=run)
 
 
@@ -151,6 +174,21 @@ def _print_report(space: Space, result: search_mod.SearchResult, out: dict) -> N
     )
 
 
+def _embedding_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``shard-embeddings``' arguments from ``search --embedding-sharding``'s."""
+    return argparse.Namespace(
+        model=args.model,
+        cluster=args.cluster,
+        gpus=args.gpus,
+        batch=args.global_batch,
+        starts=args.starts,
+        steps=args.steps or 200,
+        seed=args.seed,
+        profile=args.profile,
+        json=args.json,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Search the space and report the plans found.
 
@@ -164,14 +202,23 @@ def run(args: argparse.Namespace) -> int:
         ConfigError: a bad model, cluster, GPU count or batch, or ``--top`` below 1.
         diffcost.profiles.ProfileError: a bad ``--profile``.
     """
+    if args.sbp:
+        return graph.run_search(args)
+    if args.embedding_sharding:
+        return dlrm.run(_embedding_args(args))
+    if args.trace:
+        raise ConfigError("--trace: only with --sbp (a transformer plan: predict --trace)")
+    if args.global_batch is None:
+        raise ConfigError("--global-batch N is required (sequences per iteration)")
     space = load_space(args.model, args.cluster, args.gpus, args.global_batch, args.seq)
     common.check_at_least("--top", args.top, 1)
     params, note = params_for(space.cluster, args.profile)
-    cfg = search_mod.SearchConfig(starts=args.starts, steps=args.steps, seed=args.seed)
+    steps = args.steps or 150
+    cfg = search_mod.SearchConfig(starts=args.starts, steps=steps, seed=args.seed)
     if not args.json:
         print(f"constants: {note}", file=sys.stderr)
         print(
-            f"searching {args.starts} relaxed starts x {args.steps} steps "
+            f"searching {args.starts} relaxed starts x {steps} steps "
             "(a first run compiles for a minute or two; later runs reuse the disk cache)...",
             file=sys.stderr,
         )

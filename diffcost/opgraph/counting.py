@@ -51,6 +51,8 @@ LAYOUT = frozenset(
 )
 # Axis mappings of layout primitives that sharding needs (transpose, broadcast_in_dim).
 _AXIS_MAPS = ("permutation", "broadcast_dimensions")
+# Window shapes of windowed reductions (axes with a window and stride of 1 may be split).
+_WINDOW_ATTRS = ("window_dimensions", "window_strides")
 GATHER = frozenset("gather scatter scatter-add scatter_add scatter-mul scatter_mul".split())
 COLLECTIVE = frozenset(
     "psum all_gather all_to_all ppermute psum_scatter reduce_scatter pmax pmin".split()
@@ -224,6 +226,7 @@ def cost(name: str, in_avals, out_avals, params) -> OpCost:
         attrs = (("axes", tuple(params.get("axes", ()))),)
     elif name in WINDOWED:
         kind, flops = "reduction", _window_cost(name, in_avals, out_avals, params)
+        attrs = tuple((k, tuple(params[k])) for k in _WINDOW_ATTRS if k in params)
     elif name in LAYOUT:
         kind = "layout"
         attrs = tuple((k, tuple(params[k])) for k in _AXIS_MAPS if k in params)

@@ -1,17 +1,18 @@
 """Per-operator sharding (SBP) of an operator graph on a 1-D device mesh, and its cost.
 
 Every tensor of the step sits on the ``n`` devices of a mesh in one of OneFlow's SBP layouts:
-``S(i)`` split along tensor axis ``i``, ``B`` broadcast (replicated) or ``P`` partial sums.
-An operator's *signature* fixes the layouts of its inputs and outputs. The valid signatures
-come from the operator's loop nest: every operator is a set of loops (a dot product's batch,
-free and contracted dimensions; an elementwise operator's output axes; a reduction's kept and
-reduced axes; a convolution's batch, output and input channels), and splitting one loop over
-the mesh gives the signature where every tensor indexed by that loop is ``S`` along the axis it
-indexes, every other input is ``B``, and an output that the loop is summed out of is ``P``.
-With the all-``B`` signature (every device computes everything) that reproduces OneFlow's
-tables: a matmul ``x @ w`` has ``S(0) x B -> S(0)`` (data parallel), ``B x S(1) -> S(1)``
-(column parallel), ``S(1) x S(0) -> P`` (row parallel) and ``B x B -> B``. Layout operators
-(reshape, transpose, broadcast) carry a split through when the axis maps one to one.
+``S(i)`` split along tensor axis ``i``, ``B`` broadcast (replicated) or ``P`` partial sums. An
+operator's *signature* fixes the layouts of its inputs and outputs. The valid signatures come
+from the operator's loop nest: every operator is a set of loops (a dot product's batch, free and
+contracted dimensions; an elementwise operator's output axes; a reduction's kept and reduced
+axes; a pooling window's axes of window and stride 1; a convolution's batch, output and input
+channels), and splitting one loop over the mesh gives the signature where every tensor indexed
+by that loop is ``S`` along the axis it indexes, every other input is ``B``, and an output that
+the loop is summed out of is ``P``. With the all-``B`` signature (every device computes
+everything) that reproduces OneFlow's tables: a matmul ``x @ w`` has ``S(0) x B -> S(0)`` (data
+parallel), ``B x S(1) -> S(1)`` (column parallel), ``S(1) x S(0) -> P`` (row parallel) and
+``B x B -> B``. Layout operators (reshape, transpose, broadcast) carry a split through when the
+axis maps one to one.
 
 Costs, all in seconds on one device (the devices run in lock step):
 
@@ -250,6 +251,10 @@ def operator_loops(op: Operator, graph: Graph, n: int) -> list[Loop]:
         return conv_loops(op, shapes)
     if op.kind == "reduction" and _attr(op, "axes") is not None and len(shapes) == 1:
         return reduction_loops(op, shapes, out_shape)
+    if op.kind == "reduction" and _attr(op, "window_dimensions") and len(shapes) == 1:
+        window, strides = _attr(op, "window_dimensions"), _attr(op, "window_strides")
+        free = [a for a, (w, s) in enumerate(zip(window, strides)) if w == 1 and s == 1]
+        return [Loop(out_shape[a], (a,), (a,)) for a in free if shapes[0][a] == out_shape[a]]
     if op.kind == "layout":
         loops = layout_loops(op, shapes, out_shape, n)
         if loops is not None:
@@ -310,6 +315,10 @@ def trained_inputs(graph: Graph) -> frozenset[int]:
     return frozenset(out)
 
 
+def _floating(dtype: str) -> bool:
+    return np.issubdtype(np.dtype(dtype), np.inexact) or dtype.startswith("float")
+
+
 def sbp_problem(graph: Graph, mesh_size: int) -> SbpProblem:
     """The SBP problem of ``graph``'s forward operators on a 1-D mesh of ``mesh_size``
     devices: a node per forward operator and per input tensor they read, a use per
@@ -336,8 +345,8 @@ def sbp_problem(graph: Graph, mesh_size: int) -> SbpProblem:
             if t in node_of:
                 producer, slot = node_of[t]
                 uses.append(Use(producer, slot, me, j, t, t in grad))
-        if any(t in grad for t in op.inputs):
-            grad.update(op.outputs)
+        if any(t in grad for t in op.inputs):  # gradients flow through floating outputs only
+            grad.update(t for t in op.outputs if _floating(graph.tensors[t].dtype))
         for k, t in enumerate(op.outputs):
             node_of[t] = (me, k)
         nodes.append(Node(f"{i} {op.primitive}", i, -1, False, operator_signatures(op, graph, n)))
@@ -391,10 +400,16 @@ def _shard_fraction(sig: Signature, tensors, n: int) -> float:
     return sum(t.bytes / (n if x.kind == "S" else 1.0) for t, x in zip(tensors, layouts)) / total
 
 
-def candidate_arrays(problem: SbpProblem, base: GraphArrays, dtype=None) -> GraphArrays:
+def candidate_arrays(
+    problem: SbpProblem, base: GraphArrays, dtype=None, shares=None
+) -> GraphArrays:
     """``GraphArrays`` with one row per (operator node, signature), ``[n_nodes * K]``; stored
-    tensors' rows are empty."""
+    tensors' rows are empty. ``shares(signature, tensors)`` gives a signature's GEMM divisors
+    and the share of the operator's tensor bytes one device touches (default: the 1-D
+    signature's on ``mesh_size`` devices)."""
     g, n, k = problem.graph, problem.mesh_size, problem.max_signatures
+    if shares is None:
+        shares = lambda sig, tensors: (sig.gemm_divisor, _shard_fraction(sig, tensors, n))  # noqa: E731
     rows = len(problem.nodes) * k
     gemm, hbm = np.zeros((rows, 4)), np.zeros(rows)
     pick = np.zeros(rows, dtype=np.int64)
@@ -409,8 +424,9 @@ def candidate_arrays(problem: SbpProblem, base: GraphArrays, dtype=None) -> Grap
         for s, sig in enumerate(node.signatures):
             r = i * k + s
             pick[r], present[r] = node.op, 1.0
-            gemm[r] = base_gemm[node.op] / np.asarray(sig.gemm_divisor)
-            hbm[r] = base_hbm[node.op] * _shard_fraction(sig, tensors, n)
+            divisor, share = shares(sig, tensors)
+            gemm[r] = base_gemm[node.op] / np.asarray(divisor)
+            hbm[r] = base_hbm[node.op] * share
             factor[r] = 1.0 + BACKWARD_FACTOR.get(op.kind, 1.0)
     f = lambda a: jnp.asarray(a, dtype=dtype or base.gemm.dtype)  # noqa: E731
     return GraphArrays(
@@ -431,6 +447,25 @@ class SbpCosts:
 
     node_s: jnp.ndarray
     edge_s: jnp.ndarray
+
+
+@struct.dataclass
+class SbpParts:
+    """``SbpCosts`` by part: per node and signature ``[n_nodes, K]`` the compute (forward plus
+    backward), the optimizer update of a stored tensor and the reduce-scatter that completes a
+    partial graph output; per use and signature pair ``[n_uses, K, K]`` the forward re-layout
+    and the backward one (of the gradient)."""
+
+    compute_s: jnp.ndarray
+    optimizer_s: jnp.ndarray
+    finish_s: jnp.ndarray
+    forward_s: jnp.ndarray
+    backward_s: jnp.ndarray
+
+    def costs(self) -> SbpCosts:
+        """The search's pairwise costs: the parts summed."""
+        node = self.compute_s + self.optimizer_s + self.finish_s
+        return SbpCosts(node_s=node, edge_s=self.forward_s + self.backward_s)
 
 
 def _unfinished_bytes(problem: SbpProblem) -> np.ndarray:
@@ -470,6 +505,17 @@ def sbp_costs(
     """The costs of ``problem`` on ``cluster`` (the mesh: ``mesh_size`` consecutive GPUs).
 
     Differentiable w.r.t. ``cluster`` and ``params`` (the structure is static numpy)."""
+    return sbp_parts(problem, cluster, params, temperature).costs()
+
+
+def sbp_parts(
+    problem: SbpProblem,
+    cluster: ClusterArrays,
+    params: Params,
+    temperature=smooth.DEFAULT_TEMPERATURE,
+) -> SbpParts:
+    """``sbp_costs`` by part (compute, optimizer, completion, forward and backward
+    re-layouts), for reports and step times."""
     fwd, bwd = relayout_codes(problem)
     size = np.asarray([problem.graph.tensors[u.tensor].bytes for u in problem.uses], float)
     return _price(
@@ -489,12 +535,11 @@ def sbp_costs(
 
 @partial(jax.jit, static_argnums=(8, 9, 10))
 def _price(cand, stored, partial_out, size, fwd, bwd, cluster, params, n, n_nodes, temperature):
-    node_s = op_times_s(cand, cluster, params, temperature).reshape(n_nodes, -1)
-    node_s = node_s + jnp.where(stored > 0, memory_bound_s(stored, cluster, params), 0.0)
+    compute = op_times_s(cand, cluster, params, temperature).reshape(n_nodes, -1)
+    optimizer = jnp.where(stored > 0, memory_bound_s(stored, cluster, params), 0.0)
     group = comm.place(n, 1.0, cluster.gpus_per_node)
     args = (group, cluster, params, temperature)
-    finish = comm.reduce_scatter_s(partial_out, *args)
-    node_s = node_s + jnp.where(partial_out > 0, finish, 0.0)
+    finish = jnp.where(partial_out > 0, comm.reduce_scatter_s(partial_out, *args), 0.0)
     table = jnp.stack(
         [
             jnp.zeros_like(size),
@@ -505,5 +550,10 @@ def _price(cand, stored, partial_out, size, fwd, bwd, cluster, params, n, n_node
         ]
     )  # [RELAYOUTS, n_uses]
     rows = jnp.arange(size.shape[0])[:, None, None]
-    edge_s = table[fwd, rows] + table[bwd, rows]
-    return SbpCosts(node_s=node_s, edge_s=edge_s)
+    return SbpParts(
+        compute_s=compute,
+        optimizer_s=optimizer,
+        finish_s=finish,
+        forward_s=table[fwd, rows],
+        backward_s=table[bwd, rows],
+    )

@@ -79,10 +79,7 @@ def coordinate_descent(
 ) -> SbpSolution:
     """AutoDDL's coordinate descent from ``start`` (default: each node's cheapest own cost)."""
     node, edge, edges, valid = _numpy(problem, costs)
-    incident = [[] for _ in problem.nodes]
-    for e, (u, v) in enumerate(edges):
-        incident[u].append(e)
-        incident[v].append(e)
+    incident = _incident(problem, edges)
     if start is None:
         start = np.argmin(np.where(valid, node, np.inf), axis=1)
     c = np.asarray(start, dtype=np.int64).copy()
@@ -98,24 +95,52 @@ def coordinate_descent(
     return SbpSolution(tuple(int(x) for x in c), assignment_cost_s(problem, costs, c), "cd")
 
 
+def _incident(problem: SbpProblem, edges) -> list[list[int]]:
+    incident: list[list[int]] = [[] for _ in problem.nodes]
+    for e, (u, v) in enumerate(edges):
+        incident[u].append(e)
+        if v != u:
+            incident[v].append(e)
+    return incident
+
+
+def _pair_table(u, v, c, node, edge, edges, valid, incident):
+    """Cost terms that involve node ``u`` or ``v`` for every pair of their signatures with
+    the others fixed at ``c``, ``[K, K]`` (inf where either is invalid)."""
+    table = node[u][:, None] + node[v][None, :]
+    for i, axis in ((u, 0), (v, 1)):
+        for e in incident[i]:
+            a, b = edges[e]
+            if {a, b} == {u, v}:
+                if axis == 0:  # the uses between u and v, once
+                    table = table + (edge[e] if a == u else edge[e].T)
+                continue
+            row = edge[e, :, c[b]] if a == i else edge[e, c[a], :]
+            table = table + (row[:, None] if axis == 0 else row[None, :])
+    ok = valid[u][:, None] & valid[v][None, :]
+    return np.where(ok, table, np.inf)
+
+
 def pair_descent(problem: SbpProblem, costs: SbpCosts, start, max_sweeps: int = 20):
     """Local search over joint changes of the two ends of each use (a weight and the product
     reading it change together), alternating with ``coordinate_descent`` until neither
-    improves."""
-    valid = problem.valid()
+    improves. Each pair's move is priced from the terms that involve its two nodes only."""
+    node, edge, edges, valid = _numpy(problem, costs)
+    incident = _incident(problem, edges)
     best = coordinate_descent(problem, costs, start=start)
+    pairs = sorted({tuple(sorted(e)) for e in edges.tolist() if e[0] != e[1]})
     for _ in range(max_sweeps):
+        c = np.asarray(best.choice, dtype=np.int64)
         improved = False
-        for u, v in {tuple(e) for e in problem.edges().tolist()}:
-            for a, b in itertools.product(np.flatnonzero(valid[u]), np.flatnonzero(valid[v])):
-                c = list(best.choice)
-                c[u], c[v] = int(a), int(b)
-                cost = assignment_cost_s(problem, costs, c)
-                if cost < best.cost_s * (1 - 1e-12):
-                    best, improved = SbpSolution(tuple(c), cost, best.method), True
+        for u, v in pairs:
+            table = _pair_table(u, v, c, node, edge, edges, valid, incident)
+            a, b = np.unravel_index(int(np.argmin(table)), table.shape)
+            now = table[c[u], c[v]]
+            if table[a, b] < now - 1e-12 * max(best.cost_s, abs(now)):
+                c[u], c[v], improved = a, b, True
         if not improved:
             break
-        best = coordinate_descent(problem, costs, start=best.choice)
+        best = coordinate_descent(problem, costs, start=c)
     return best
 
 
@@ -272,10 +297,7 @@ def conditional_rounding(problem: SbpProblem, costs: SbpCosts, probs) -> tuple[i
     expected cost."""
     node, edge, edges, valid = _numpy(problem, costs)
     p = np.where(valid, np.asarray(probs, dtype=float), 0.0)
-    incident = [[] for _ in problem.nodes]
-    for e, (u, v) in enumerate(edges):
-        incident[u].append(e)
-        incident[v].append(e)
+    incident = _incident(problem, edges)
     choice = np.zeros(len(problem.nodes), dtype=np.int64)
     for i in range(len(problem.nodes)):
         local = node[i].copy()
@@ -288,21 +310,30 @@ def conditional_rounding(problem: SbpProblem, costs: SbpCosts, probs) -> tuple[i
 
 
 def gradient_search(
-    problem: SbpProblem, costs: SbpCosts, cfg: GradientConfig | None = None
+    problem: SbpProblem, costs: SbpCosts, cfg: GradientConfig | None = None, starts=()
 ) -> SbpSolution:
     """The best rounded start of the relaxed descent, polished by ``pair_descent`` when
-    ``cfg.polish`` (method ``"gradient"``; ``"gradient+local"`` if polishing changed it)."""
+    ``cfg.polish`` (method ``"gradient"``; ``"gradient+local"`` if polishing changed it).
+
+    ``starts``: known assignments (a data-parallel plan) that compete with the rounded starts
+    before polishing; when one of them is the best, the method says ``"start"`` instead of
+    ``"gradient"`` (``rounded_s`` stays the best rounded start's cost)."""
     cfg = cfg or GradientConfig()
     logits = np.asarray(relaxed_descent(problem, costs, cfg))
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))
     rounded = [conditional_rounding(problem, costs, p) for p in probs]
     scored = sorted((assignment_cost_s(problem, costs, c), c) for c in set(rounded))
     cost, best = scored[0]
+    method, rounded_s = "gradient", cost
+    for start in starts:
+        start_s = assignment_cost_s(problem, costs, start)
+        if start_s < cost:
+            cost, best, method = start_s, tuple(int(x) for x in start), "start"
     if cfg.polish:
         polished = pair_descent(problem, costs, start=best)
         if polished.cost_s < cost:
-            return SbpSolution(polished.choice, polished.cost_s, "gradient+local", cost)
-    return SbpSolution(best, cost, "gradient", cost)
+            return SbpSolution(polished.choice, polished.cost_s, f"{method}+local", rounded_s)
+    return SbpSolution(best, cost, method, rounded_s)
 
 
 def describe(problem: SbpProblem, solution: SbpSolution) -> list[tuple[str, str]]:

@@ -1,0 +1,188 @@
+"""Graph models end to end: the step time by part under an SBP assignment, the data-parallel
+assignment, graph models by name, and the ``predict --graph`` / ``search --sbp`` commands."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import diffcost
+from diffcost import cli
+from diffcost.opgraph import sbp, sbp_search, step
+from diffcost.opgraph.models import load_graph_model
+from diffcost.opgraph.sbp import B, S
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return diffcost.arrays.cluster_arrays(diffcost.config.load_cluster("dgx-h100"))
+
+
+def _setup(name, batch, n, cluster, params=None):
+    model = load_graph_model(name, batch)
+    problem = sbp.sbp_problem(model.graph, n)
+    parts = sbp.sbp_parts(problem, cluster, params or diffcost.default_params())
+    return model, problem, parts
+
+
+def test_step_parts_add_up_to_the_search_cost(cluster):
+    model, problem, parts = _setup("transformer_block", 8, 4, cluster)
+    costs = parts.costs()
+    for choice in (
+        step.replicated_choice(problem),
+        step.data_parallel_choice(problem, model.batch_inputs),
+    ):
+        st = step.step_time(problem, parts, choice)
+        exact = sbp_search.assignment_cost_s(problem, costs, choice)
+        assert float(st.iteration_s) == pytest.approx(exact, rel=1e-9)
+
+
+def test_data_parallel_splits_the_batch_and_syncs_gradients(cluster):
+    model, problem, parts = _setup("mlp", 512, 8, cluster)
+    choice = step.data_parallel_choice(problem, model.batch_inputs)
+    for node, s in zip(problem.nodes, choice):
+        sig = node.signatures[s]
+        if node.op < 0:
+            assert sig.outputs[0] == (S(0) if node.tensor in model.batch_inputs else B)
+        elif problem.graph.operators[node.op].primitive == "dot_general":
+            assert sig.inputs == (S(0), B)  # batch-split activations, replicated weights
+    st = step.step_time(problem, parts, choice)
+    assert float(st.relayout_s) == 0.0  # nothing but the weight gradients moves
+    assert float(st.grad_sync_s) > 0.0
+    one = _setup("mlp", 512, 1, cluster)
+    single = step.step_time(one[1], one[2], step.replicated_choice(one[1]))
+    assert float(st.compute_s) < float(single.compute_s) / 2
+    assert float(single.grad_sync_s) == 0.0 and float(single.relayout_s) == 0.0
+
+
+def test_data_parallel_resnet_splits_every_convolution(cluster):
+    model, problem, _ = _setup("resnet50", 16, 8, cluster)
+    choice = step.data_parallel_choice(problem, model.batch_inputs)
+    convs = [
+        node.signatures[s].inputs
+        for node, s in zip(problem.nodes, choice)
+        if node.op >= 0 and problem.graph.operators[node.op].kind == "convolution"
+    ]
+    assert len(convs) == 53 and all(ins == (S(0), B) for ins in convs)
+
+
+def test_step_time_is_differentiable(cluster):
+    model, problem, _ = _setup("mlp", 256, 4, cluster)
+    choice = step.data_parallel_choice(problem, model.batch_inputs)
+
+    def total(params):
+        return step.step_time(problem, sbp.sbp_parts(problem, cluster, params), choice).iteration_s
+
+    grads = jax.grad(total)(diffcost.default_params())
+    leaves = jax.tree_util.tree_leaves(grads)
+    assert all(np.all(np.isfinite(x)) for x in leaves) and any(np.any(x != 0) for x in leaves)
+
+
+def test_layouts_round_trip_and_bad_plans_are_named(cluster):
+    model, problem, _ = _setup("mlp", 64, 2, cluster)
+    choice = step.data_parallel_choice(problem, model.batch_inputs)
+    plan = step.layouts(problem, choice)
+    assert step.choice_from_layouts(problem, plan) == choice
+    node = next(iter(plan))
+    with pytest.raises(ValueError, match="valid on a mesh of 2"):
+        step.choice_from_layouts(problem, {**plan, node: "S7"}, "p.json")
+    with pytest.raises(ValueError, match="not in this graph"):
+        step.choice_from_layouts(problem, {**plan, "nope": "B"}, "p.json")
+
+
+def test_graph_models_by_name(tmp_path):
+    with pytest.raises(ValueError, match="unknown zoo name; valid: resnet50"):
+        load_graph_model("resnet5")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.models'"):
+        load_graph_model("no_such_pkg.models:make")
+    with pytest.raises(ValueError, match="batch 0"):
+        load_graph_model("mlp", 0)
+    src = tmp_path / "mine.py"
+    src.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def make(batch=4):\n"
+        "    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)\n"
+        "    return (lambda w, x: jnp.tanh(x @ w)), (f(16, 8), f(batch, 16))\n"
+        "def bad():\n"
+        "    return 3\n"
+    )
+    m = load_graph_model(f"{src}:make", 12)
+    assert m.batch == 12 and len(m.batch_inputs) == 1
+    assert m.graph.flops("forward", kinds=["matmul"]) == 2 * 12 * 16 * 8
+    with pytest.raises(ValueError, match="the factory returned int"):
+        load_graph_model(f"{src}:bad")
+    with pytest.raises(ValueError, match="has no function 'gone'"):
+        load_graph_model(f"{src}:gone")
+
+
+def test_predict_graph_json_and_trace(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    argv = ["predict", "--graph", "mlp", "--cluster", "dgx-h100", "--mesh", "4", "--batch", "64"]
+    assert cli.main([*argv, "--json", "--trace", str(path), "--profile", "none"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mesh"] == 4 and d["sharding"] == "data parallel"
+    assert d["iteration_s"] == pytest.approx(sum(d["breakdown"].values()), rel=1e-12)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in events} >= {"compute", "grad sync", "optimizer"}
+    assert sum(e["dur"] for e in events) * 1e-6 == pytest.approx(d["iteration_s"], rel=1e-6)
+
+
+def test_predict_graph_from_yaml(tmp_path, capsys):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("model: {graph: mlp, batch: 32}\ncluster: dgx-h100\nplan: {mesh: 2}\n")
+    assert cli.main(["predict", str(cfg), "--json", "--profile", "none"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["model"], d["batch"], d["mesh"]) == ("mlp", 32, 2)
+    cfg.write_text("model: {graph: mlp}\ncluster: dgx-h100\nplan: {mesh: 2, tp: 2}\n")
+    assert cli.main(["predict", str(cfg)]) == 2
+    assert "valid keys: ['mesh', 'sharding']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--graph", "resnet5", "--mesh", "2"], "unknown zoo name"),
+        (["--graph", "mlp", "--mesh", "0"], "--mesh 0: must be at least 1"),
+        (["--graph", "mlp", "--mesh", "3", "--batch", "64"], "not divisible by the mesh size 3"),
+        (["--graph", "mlp", "--mesh", "2", "--sharding", "fsdp"], "not one of data, replicated"),
+        (["--graph", "mlp"], "--mesh N"),
+    ],
+)
+def test_predict_graph_errors_are_one_line(args, message, capsys):
+    assert cli.main(["predict", *args, "--cluster", "dgx-h100"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_search_sbp_beats_or_matches_data_parallel(tmp_path, capsys):
+    argv = ["search", "mlp", "--sbp", "--cluster", "dgx-h100", "--gpus", "4"]
+    argv += ["--global-batch", "64", "--steps", "100", "--json", "--profile", "none"]
+    assert cli.main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["iteration_s"] <= d["data_parallel"]["iteration_s"] * (1 + 1e-9)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layouts": d["layouts"]}))
+    argv = ["predict", "--graph", "mlp", "--cluster", "dgx-h100", "--mesh", "4", "--batch", "64"]
+    assert cli.main([*argv, "--sharding", str(plan), "--json", "--profile", "none"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["iteration_s"] == pytest.approx(d["iteration_s"], rel=1e-9)
+
+
+def test_search_needs_a_batch_for_transformers(capsys):
+    assert cli.main(["search", "gpt3-175b", "--cluster", "dgx-h100", "--gpus", "8"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
+
+
+def test_pooling_windows_split_on_batch_and_channels():
+    f = jax.ShapeDtypeStruct
+    x = f((8, 16, 16, 4), jnp.float32)
+
+    def pool(x):
+        return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+    g = diffcost.from_jax(pool, x, argnums=())
+    problem = sbp.sbp_problem(g, 2)
+    (node,) = [n for n in problem.nodes if n.op >= 0]
+    assert {s.name for s in node.signatures} == {"S0 -> S0", "S3 -> S3", "B"}
