@@ -60,14 +60,15 @@ class NetworkTables:
     Attributes:
         log_grid: ``[G]`` log of the divisors of ``n_gpus``: the grid of group sizes and of
             strides (two points at least).
-        load: ``[G * G, len(SLOTS), len(TIERS)]`` bytes on the busiest link of each tier per
+        load: ``[G * G, len(SLOTS), len(tiers)]`` bytes on the busiest link of each tier per
             byte of buffer, at the tier's reference capacity; row ``i * G + j`` is size
             ``grid[i]``, stride ``grid[j]``.
         latency_s: ``[G * G, len(SLOTS), 2]`` latency of each slot: NVLink and network part.
-        tier_capacity_Bps: ``[len(TIERS)]`` reference capacity of each tier (1 where empty).
-        tier_nvlink: ``[len(TIERS)]`` 1 for the NVLink tier (its efficiency and latency scale
+        tier_capacity_Bps: ``[len(tiers)]`` reference capacity (the widest link) of each tier.
+        tier_nvlink: ``[len(tiers)]`` 1 for the NVLink tier (its efficiency and latency scale
             are ``nvlink_eff``, ``nvlink_latency_scale``), 0 for the network tiers.
         name, n_gpus: the topology's name and the job's ranks (static).
+        tiers: the names (``TIERS``) of the tiers the topology has links in (static).
         contention: whether concurrent collectives share links (``diffcost.network.model``;
             static).
     """
@@ -80,6 +81,7 @@ class NetworkTables:
     name: str = struct.field(pytree_node=False, default="")
     n_gpus: int = struct.field(pytree_node=False, default=1)
     contention: bool = struct.field(pytree_node=False, default=True)
+    tiers: tuple = struct.field(pytree_node=False, default=TIERS)
 
     def with_capacities(self, tier_capacity_Bps) -> NetworkTables:
         """The same tables with other tier capacities (a what-if, or a traced value)."""
@@ -219,14 +221,16 @@ def _build(topology: Topology, n_gpus: int) -> NetworkTables:
                 load[i * g + j, a], latency[i * g + j, a] = _slot(
                     graph, tiers, reference, nvlink, groups, name
                 )
+    present = np.flatnonzero(np.bincount(tiers, minlength=len(TIERS)) > 0)  # tiers with links
     return NetworkTables(
         log_grid=jnp.asarray(np.log(np.asarray(grid, dtype=float))),
-        load=jnp.asarray(load),
+        load=jnp.asarray(load[:, :, present]),
         latency_s=jnp.asarray(latency),
-        tier_capacity_Bps=jnp.asarray(reference),
-        tier_nvlink=jnp.asarray((np.arange(len(TIERS)) == 0).astype(float)),
+        tier_capacity_Bps=jnp.asarray(reference[present]),
+        tier_nvlink=jnp.asarray((present == TIERS.index("nvlink")).astype(float)),
         name=topology.name,
         n_gpus=n_gpus,
+        tiers=tuple(TIERS[i] for i in present),
     )
 
 
