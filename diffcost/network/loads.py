@@ -30,7 +30,8 @@ def _next_links(topology: Topology):
         cost = link_cost(topology)
         n = topology.n_nodes
         near = dist[:, topology.src]
-        slack = dist[:, topology.dst] + cost[None, :] - near
+        with np.errstate(invalid="ignore"):  # inf - inf off the paths: not on a path
+            slack = dist[:, topology.dst] + cost[None, :] - near
         on_path = np.isfinite(near) & (near > 0) & (np.abs(slack) <= TIE_TOLERANCE)
         t, link = np.nonzero(on_path)
         keys = t * n + topology.src[link]

@@ -67,10 +67,10 @@ class NetworkTables:
         tier_capacity_Bps: ``[len(tiers)]`` reference capacity (the widest link) of each tier.
         tier_nvlink: ``[len(tiers)]`` 1 for the NVLink tier (its efficiency and latency scale
             are ``nvlink_eff``, ``nvlink_latency_scale``), 0 for the network tiers.
-        name, n_gpus: the topology's name and the job's ranks (static).
         tiers: the names (``TIERS``) of the tiers the topology has links in (static).
         contention: whether concurrent collectives share links (``diffcost.network.model``;
-            static).
+            static). The static fields are few, so that a jitted prediction compiles once per
+            table shape, whatever the topology.
     """
 
     log_grid: jax.Array
@@ -78,8 +78,6 @@ class NetworkTables:
     latency_s: jax.Array
     tier_capacity_Bps: jax.Array
     tier_nvlink: jax.Array
-    name: str = struct.field(pytree_node=False, default="")
-    n_gpus: int = struct.field(pytree_node=False, default=1)
     contention: bool = struct.field(pytree_node=False, default=True)
     tiers: tuple = struct.field(pytree_node=False, default=TIERS)
 
@@ -228,8 +226,6 @@ def _build(topology: Topology, n_gpus: int) -> NetworkTables:
         latency_s=jnp.asarray(latency),
         tier_capacity_Bps=jnp.asarray(reference[present]),
         tier_nvlink=jnp.asarray((present == TIERS.index("nvlink")).astype(float)),
-        name=topology.name,
-        n_gpus=n_gpus,
         tiers=tuple(TIERS[i] for i in present),
     )
 
@@ -248,4 +244,4 @@ def build_tables(topology: Topology, n_gpus: int, contention: bool = True) -> Ne
         )
     key = (topology.fingerprint, int(n_gpus))
     tables = _TABLES.get(key, lambda: _build(topology, int(n_gpus)))
-    return tables.replace(name=topology.name, contention=bool(contention))
+    return tables.replace(contention=bool(contention))
