@@ -143,3 +143,16 @@ def test_two_gpu_groups_on_a_small_fat_tree():
     row = grid.index(2) * len(grid) + grid.index(8)  # pairs 8 apart: across the nodes
     load = np.asarray(tables.load)[row, SLOTS.index("ring")]
     assert load[list(tables.tiers).index("nic")] > 0
+
+
+def test_explain_reports_link_class_elasticities():
+    from diffcost.explain import explain
+
+    exp = api.load(EXAMPLE, ["cluster.topology=cluster"])
+    rows = {r["key"]: r for r in explain(exp)["elasticities"]}
+    tiers = [k for k in rows if k.startswith("link_")]
+    assert tiers == [k for k in rows if k in {"link_nvlink", "link_nic", "link_leaf_spine"}]
+    assert len(tiers) == 3
+    for k in tiers:
+        assert -1.0 <= rows[k]["elasticity"] <= 0.0
+    assert min(rows[k]["elasticity"] for k in tiers) < 0.0
