@@ -169,6 +169,8 @@ def explain(
         v16 = 100.0 * eff[half[0]]
         row("gemm_eff_16bit", _CALIBRATION, "GEMM efficiency (16-bit)", v16, "%", grad[3])
     for i, (key, name, unit, scale) in enumerate(_CLUSTER_KNOBS):
+        if cluster.network is not None and key != "hbm_Bps":
+            continue  # on a graph the links' capacities and latencies are the topology's
         value = float(np.asarray(getattr(cluster, key))) * scale
         row(key, _HARDWARE, name, value, unit, grad[_N_VECTOR + i])
     if cluster.network is not None:  # a topology graph: one knob per link class
