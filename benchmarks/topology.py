@@ -9,6 +9,12 @@ Each figure is one section, computed by its own function in ``SECTIONS``; the JS
   collectives priced on the cluster's topology graph (``diffcost.network.cost``, shipped
   profiles) and of ``diffcost.comm`` on the same rows (``topology_collectives.py``). Target:
   <= 5% per cluster.
+* ``speed`` (``topology_speed.py``): ``jit(vmap(simulate))`` over the GPT-3 175B plan space
+  on 1,024 GPUs (as ``speed.py``) with the cluster on a two-tier fat-tree graph, with
+  contention (``sweep_configs_per_s``) and without (``..._without_contention``), the existing
+  path in the same run (``..._comm_path``), one warm prediction (``single_prediction_us``) and
+  the time to build the tables; the three issue figures are repeated at the top level.
+  Targets: >= 200,000 configs/s with contention, one prediction <= 1 ms.
 * ``sharing``: smooth max-min fair sharing (``diffcost.sharing``) against the exact, event-
   driven reference (``diffcost.sharing_reference``) on the corpus of ``diffcost.sharing_cases``
   (50 random graphs x flow sets and the structured cases; ``--quick``: 10 random). ``cases``;
@@ -54,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import topology_collectives  # noqa: E402
+import topology_speed  # noqa: E402
 
 from diffcost import sharing, sharing_cases  # noqa: E402
 from diffcost.network import design_config  # noqa: E402
@@ -171,10 +178,16 @@ def design_section(quick: bool) -> dict:
     }
 
 
-# later sections ("sweep_configs_per_s", ...) are added here
+def speed_section(quick: bool) -> dict:
+    """``topology_speed.measure``: the GPT-3 175B sweep on a two-tier fat-tree, with and
+    without contention and on the existing path, and one prediction."""
+    return topology_speed.measure(quick)
+
+
 SECTIONS = {
     "sharing": sharing_section,
     "collectives": collectives_section,
+    "speed": speed_section,
     "design": design_section,
 }
 COLLECTIVE_MAPE_PCT = 5.0  # target per cluster, messages >= 1 MiB
@@ -230,6 +243,7 @@ def _print_design(d: dict) -> None:
 PRINTERS = {
     "sharing": _print_sharing,
     "collectives": _print_collectives,
+    "speed": topology_speed.print_speed,
     "design": _print_design,
 }
 
@@ -257,6 +271,13 @@ def main(argv=None) -> int:
     slower = design["after_s"] > design["before_s"]
     if design["objective"] == "time" and (over or slower):
         missed.append("design (worse than the built network, or over budget)")
+    missed += topology_speed.missed(out["speed"])
+    for key in (
+        "sweep_configs_per_s",
+        "sweep_configs_per_s_without_contention",
+        "single_prediction_us",
+    ):
+        out[key] = out["speed"][key]  # the issue's top-level figures
     out["targets_missed"] = missed
     if not args.quick:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ def experiment_arrays(exp: Experiment, dtype=None):
     return (
         model_arrays(exp.model, dtype),
         plan_arrays(exp.plan, dtype),
-        cluster_arrays(exp.cluster, dtype),
+        cluster_arrays(exp.cluster, dtype, exp.plan.n_gpus),
     )
 
 

@@ -8,6 +8,8 @@ the edge, once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,9 @@ class ClusterArrays:
     nic_latency_s: jax.Array
     oversubscription: jax.Array
     ring_share: jax.Array  # [RING_TABLE] NVLink share of a ring over n GPUs of a node
+    # ``diffcost.network.tables.NetworkTables`` of the job on a topology graph, or None:
+    # with it, collectives are priced on the graph (``diffcost.network.model``)
+    network: Any = None
 
 
 @struct.dataclass
@@ -148,8 +153,13 @@ def model_arrays(model: ModelSpec, dtype=None) -> ModelArrays:
     )
 
 
-def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
-    """Convert a ``ClusterSpec`` (config units) to SI units."""
+def cluster_arrays(cluster: ClusterSpec, dtype=None, n_gpus: int | None = None) -> ClusterArrays:
+    """Convert a ``ClusterSpec`` (config units) to SI units.
+
+    With ``n_gpus`` and a cluster that names a ``topology``, the arrays carry the job's
+    ``NetworkTables`` (``diffcost.network.attach.job_tables``), and collectives are priced on
+    the graph; otherwise ``network`` is None.
+    """
     gpu = cluster.gpu
     f = _as_float(dtype)
     peak = [gpu.peak_tflops.get(p, 0.0) * 1e12 for p in specs.PRECISIONS]
@@ -165,7 +175,17 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None) -> ClusterArrays:
         nic_latency_s=f(cluster.nic_latency_us * 1e-6),
         oversubscription=f(cluster.oversubscription),
         ring_share=f(ring_share(cluster.intra_node, cluster.gpus_per_node)),
+        network=_network(cluster, n_gpus, f),
     )
+
+
+def _network(cluster: ClusterSpec, n_gpus, f):
+    if not cluster.topology or n_gpus is None:
+        return None
+    from diffcost.network.attach import job_tables  # the graph layer sits above the arrays
+
+    tables = job_tables(cluster, int(n_gpus))
+    return jax.tree_util.tree_map(f, tables)
 
 
 def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:

@@ -172,8 +172,15 @@ def explain(
         v16 = 100.0 * eff[half[0]]
         row("gemm_eff_16bit", _CALIBRATION, "GEMM efficiency (16-bit)", v16, "%", grad[3])
     for i, (key, name, unit, scale) in enumerate(_CLUSTER_KNOBS):
+        if cluster.network is not None and key != "hbm_Bps":
+            continue  # on a graph the links' capacities and latencies are the topology's
         value = float(np.asarray(getattr(cluster, key))) * scale
         row(key, _HARDWARE, name, value, unit, grad[_N_VECTOR + i])
+    if cluster.network is not None:  # a topology graph: one knob per link class
+        capacity = np.asarray(cluster.network.tier_capacity_Bps, dtype=float)
+        tiers = tier_elasticities(model, plan, cluster, params, temperature)
+        for (tier, e), value in zip(tiers.items(), capacity):
+            row(f"link_{tier}", _HARDWARE, f"{tier} link capacity", 1e-9 * value, "GB/s", e)
     for i, (raw, key, kind) in enumerate(knobs):
         name, unit, scale = BY_LEAF[raw].label, BY_LEAF[raw].unit, BY_LEAF[raw].scale
         r = float(np.asarray(getattr(params, raw)))
@@ -198,6 +205,21 @@ def explain(
         "constants": note,
         "elasticities": rows,
     }
+
+
+def tier_elasticities(model, plan, cluster, params, temperature=smooth.DEFAULT_TEMPERATURE):
+    """``{tier: d ln T / d ln capacity}`` for each link class of the cluster's topology graph
+    (``cluster.network``, ``diffcost.network.tables.TIERS``): every link of the class scaled
+    together, one reverse pass."""
+    tables = cluster.network
+    capacity = jnp.asarray(tables.tier_capacity_Bps)
+
+    def log_time(u):
+        scaled = cluster.replace(network=tables.with_capacities(capacity * jnp.exp(u)))
+        return jnp.log(simulate(model, plan, scaled, params, temperature).iteration_s)
+
+    grad = jax.grad(log_time)(jnp.zeros_like(capacity))
+    return {tier: float(g) for tier, g in zip(tables.tiers, np.asarray(grad))}
 
 
 def elasticities(

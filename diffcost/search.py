@@ -456,7 +456,9 @@ def search(space: Space, params: Params, top: int = 5, cfg: SearchConfig | None 
     bounds = bounds_for(space, dtype)
     evaluate = Evaluator(space, params)
     model = jax.tree_util.tree_map(jnp.asarray, model_arrays(space.model, dtype))
-    cluster = jax.tree_util.tree_map(jnp.asarray, cluster_arrays(space.cluster, dtype))
+    cluster = jax.tree_util.tree_map(
+        jnp.asarray, cluster_arrays(space.cluster, dtype, space.n_gpus)
+    )
     starts = random_starts(jax.random.PRNGKey(cfg.seed), cfg.starts, len(space.orders), dtype)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 step count in
         relaxed, _ = descend(

@@ -153,3 +153,17 @@ def softmax_mean(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMP
     tau = temperature * jnp.where(ok, scale, 1.0)
     out = jnp.sum(jax.nn.softmax(x / tau, axis=axis) * x, axis=axis)
     return jnp.where(jnp.squeeze(ok, axis=axis), out, exact)
+
+
+def softmin_weights(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
+    """Weights of the values near the minimum, summing to 1: ``softmax(-x / tau)`` along
+    ``axis`` with ``smooth_max``'s ``tau = temperature * mean|x|`` (0, or all inputs zero:
+    one-hot on the first minimum)."""
+    x = jnp.asarray(x)
+    hard = jax.nn.one_hot(jnp.argmin(x, axis=axis), x.shape[axis], dtype=x.dtype, axis=axis)
+    if temperature == 0:
+        return hard
+    scale = jnp.mean(jnp.abs(x), axis=axis, keepdims=True)
+    ok = temperature * scale > jnp.finfo(x.dtype).tiny
+    tau = temperature * jnp.where(ok, scale, 1.0)
+    return jnp.where(ok, jax.nn.softmax(-x / tau, axis=axis), hard)

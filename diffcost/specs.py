@@ -111,6 +111,10 @@ class ClusterSpec:
     # in a node uses (k - 1) / (gpus_per_node - 1) of it; "cube-mesh": DGX-1's hybrid
     # cube-mesh of 8 V100 (see ``diffcost.topology``).
     intra_node: str = "switch"  # NVLink topology: a name in diffcost.topology.INTRA_NODE
+    # the network as a graph (opt-in, ``diffcost.network.attach``): "" for none (the NVLink
+    # ring-share table and ``oversubscription``), "cluster" for the graph this spec describes
+    # (``generators.from_cluster``), or a ``configs/topologies`` preset name or YAML path
+    topology: str = ""
     description: str = ""
 
 

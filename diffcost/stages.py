@@ -27,6 +27,7 @@ from flax import struct
 
 from diffcost import comm, kernels, smooth, workload
 from diffcost.arrays import ACT_BYTES, ClusterArrays, PlanArrays
+from diffcost.network import model as netmodel
 from diffcost.params import HEAD_GRID_LOG2_LO, Params
 from diffcost.workload import LayerWork
 
@@ -147,18 +148,9 @@ class CommTimes:
     p2p_s: jax.Array  # one activation send between adjacent stages
 
 
-def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, temperature):
-    """``CommTimes`` of one iteration: each collective on its group's shared ``GroupLinks``.
-
-    Args:
-        work: ``workload.layer_work(model, plan)``.
-        model, plan, cluster, params: array pytrees of one configuration.
-        groups: ``place_groups(plan, cluster, params, temperature)``.
-        temperature: relative softness (static).
-
-    Returns:
-        A ``CommTimes``.
-    """
+def _requests(work: LayerWork, model, plan) -> list:
+    """``(collective, msg_bytes, dimension)`` of every collective ``CommTimes`` lists, in
+    ``_comm_times``' order (the all-to-all and the pipeline send apart)."""
     dense, experts = work.dense_params, work.expert_params
     # gradients and updated parameters exist only for trained weights (all but under LoRA)
     g_dense, g_experts = work.trained_params, work.trained_expert_params
@@ -166,39 +158,132 @@ def comm_times(work: LayerWork, model, plan, groups: Groups, cluster, params, te
     grads = grad_bytes(plan)
     stage_params = model.n_layers / plan.pp * (g_dense + g_experts)
     requests = [
-        ("all_gather", work.tp_msg_bytes, groups.tp),
-        ("reduce_scatter", work.tp_msg_bytes, groups.tp),
-        ("all_reduce", work.tp_msg_bytes, groups.tp),
-        ("all_reduce", work.head_tokens * LOSS_COMM_BYTES_PER_TOKEN, groups.tp),
-        ("all_gather", work.kv_msg_bytes, groups.cp),
-        ("all_gather", dense * WEIGHT_BYTES, groups.dp),
-        ("all_gather", experts * WEIGHT_BYTES, groups.edp),
-        ("reduce_scatter", g_dense * FSDP_GRAD_BYTES, groups.dp),
-        ("reduce_scatter", g_experts * FSDP_GRAD_BYTES, groups.edp),
-        ("all_gather", stage_params * WEIGHT_BYTES, groups.dp),
+        ("all_gather", work.tp_msg_bytes, "tp"),
+        ("reduce_scatter", work.tp_msg_bytes, "tp"),
+        ("all_reduce", work.tp_msg_bytes, "tp"),
+        ("all_reduce", work.head_tokens * LOSS_COMM_BYTES_PER_TOKEN, "tp"),
+        ("all_gather", work.kv_msg_bytes, "cp"),
+        ("all_gather", dense * WEIGHT_BYTES, "dp"),
+        ("all_gather", experts * WEIGHT_BYTES, "edp"),
+        ("reduce_scatter", g_dense * FSDP_GRAD_BYTES, "dp"),
+        ("reduce_scatter", g_experts * FSDP_GRAD_BYTES, "edp"),
+        ("all_gather", stage_params * WEIGHT_BYTES, "dp"),
     ]
     for name in ("all_reduce", "reduce_scatter"):  # gradient sync
         requests += [
-            (name, g_dense * grads, groups.dp),
-            (name, g_experts * grads, groups.edp),
-            (name, embedding * grads, groups.dp),
+            (name, g_dense * grads, "dp"),
+            (name, g_experts * grads, "edp"),
+            (name, embedding * grads, "dp"),
         ]
-    t = comm.collectives_s(requests, params, temperature)
-    # share of stage boundaries that cross nodes: (nodes - 1) of the (pp - 1) boundaries
-    inter_node = smooth.safe_div(groups.pp.group.nodes - 1.0, plan.pp - 1.0)
+    return requests
+
+
+def _comm_times(t: list, ep_all_to_all_s, p2p_s) -> CommTimes:
     return CommTimes(
         tp_all_gather_s=t[0],
         tp_reduce_scatter_s=t[1],
         tp_all_reduce_s=t[2],
         loss_all_reduce_s=t[3],
         cp_all_gather_s=t[4],
-        ep_all_to_all_s=comm.all_to_all_links_s(work.ep_msg_bytes, groups.ep, params),
+        ep_all_to_all_s=ep_all_to_all_s,
         zero3_gather_s=t[5] + t[6],
         zero3_scatter_s=t[7] + t[8],
         stage_gather_s=t[9],
         all_reduce_s=jnp.stack(t[10:13]),
         reduce_scatter_s=jnp.stack(t[13:16]),
-        p2p_s=comm.send_recv_s(work.p2p_msg_bytes, inter_node, cluster, params),
+        p2p_s=p2p_s,
+    )
+
+
+def comm_times(work: LayerWork, model, plan, groups, cluster, params, temperature):
+    """``CommTimes`` of one iteration: each collective on its group's shared ``GroupLinks``,
+    or on the cluster's topology graph when it has one (``network_comm_times``).
+
+    Args:
+        work: ``workload.layer_work(model, plan)``.
+        model, plan, cluster, params: array pytrees of one configuration.
+        groups: ``place_groups(plan, cluster, params, temperature)`` (None with a topology).
+        temperature: relative softness (static).
+
+    Returns:
+        A ``CommTimes``.
+    """
+    requests = _requests(work, model, plan)
+    if cluster.network is not None:
+        return network_comm_times(requests, work, plan, cluster.network, params, temperature)
+    t = comm.collectives_s(
+        [(name, msg, getattr(groups, dim)) for name, msg, dim in requests], params, temperature
+    )
+    # share of stage boundaries that cross nodes: (nodes - 1) of the (pp - 1) boundaries
+    inter_node = smooth.safe_div(groups.pp.group.nodes - 1.0, plan.pp - 1.0)
+    return _comm_times(
+        t,
+        comm.all_to_all_links_s(work.ep_msg_bytes, groups.ep, params),
+        comm.send_recv_s(work.p2p_msg_bytes, inter_node, cluster, params),
+    )
+
+
+def _dims(plan: PlanArrays) -> dict:
+    """``{dimension: (size, stride)}`` of one group of each dimension in the rank order."""
+    tp_stride, cp_stride, dp_stride, pp_stride = _strides(plan)
+    return {
+        "tp": (plan.tp, tp_stride),
+        "cp": (plan.cp, cp_stride),
+        "dp": (plan.dp, dp_stride),
+        "pp": (plan.pp, pp_stride),
+        "ep": (plan.ep, dp_stride),
+        "edp": (plan.dp / plan.ep, dp_stride * plan.ep),
+    }
+
+
+def network_comm_times(requests, work, plan, tables, params, temperature) -> CommTimes:
+    """``CommTimes`` priced on a topology's ``NetworkTables`` (``diffcost.network.model``).
+
+    With ``tables.contention``, the collectives the execution graph runs at the same time
+    share the tiers max-min fairly: a layer's gradient bucket (ZeRO-0/1/2; ZeRO-3: the layer's
+    parameter gathers and gradient scatters) runs under the next layer's backward, with its
+    tensor-parallel collectives and a pipeline send; its delay is added to the bucket (and to
+    the ZeRO-3 gathers). The delays of the tensor-parallel collectives and the send, which
+    the bucket slows in one microbatch of many, are not added.
+    """
+    dims = _dims(plan)
+    prices = netmodel.priced(tables, params, temperature)
+    groups = {d: netmodel.group(tables, prices, *dims[d]) for d in dims}
+    t = [netmodel.collective_s(n, m, groups[d], params, temperature) for n, m, d in requests]
+    p2p_s = netmodel.collective_s("send", work.p2p_msg_bytes, groups["pp"], params, temperature)
+    a2a_s = netmodel.collective_s(
+        "all_to_all", work.ep_msg_bytes, groups["ep"], params, temperature
+    )
+    comms = _comm_times(t, a2a_s, p2p_s)
+    if not tables.contention:
+        return comms
+    zero, sp = plan.zero, plan.sp
+
+    def row(dim, items):
+        load = netmodel.group_load(tables, *dims[dim])
+        return netmodel.traffic_row(items, groups[dim], load, params, temperature)
+
+    def sync(trained, weights):  # a layer's gradient sync, or its ZeRO-3 gathers and scatters
+        return [
+            ("all_reduce", trained * grad_bytes(plan), zero[0]),
+            ("reduce_scatter", trained * grad_bytes(plan), zero[1] + zero[2]),
+            ("all_gather", weights * WEIGHT_BYTES, zero[3]),
+            ("reduce_scatter", trained * FSDP_GRAD_BYTES, zero[3]),
+        ]
+
+    bucket = row("dp", sync(work.trained_params, work.dense_params))
+    bucket = bucket + row("edp", sync(work.trained_expert_params, work.expert_params))
+    tp = [
+        ("all_gather", work.tp_msg_bytes, 2.0 * sp),
+        ("reduce_scatter", work.tp_msg_bytes, 2.0 * sp),
+    ]
+    tp = row("tp", tp + [("all_reduce", work.tp_msg_bytes, 2.0 * (1.0 - sp))])
+    send = row("pp", [("send", work.p2p_msg_bytes, 1.0)])
+    delay = netmodel.shared_delays_s([bucket, tp, send], prices.capacity)[0]
+    return comms.replace(
+        all_reduce_s=comms.all_reduce_s.at[0].add(delay),
+        reduce_scatter_s=comms.reduce_scatter_s.at[0].add(delay),
+        zero3_gather_s=comms.zero3_gather_s + delay,
     )
 
 
@@ -387,7 +472,8 @@ def stage_times(model, plan, cluster, params, temperature, grid=None, work=None)
         A ``StageTimes``.
     """
     work = workload.layer_work(model, plan) if work is None else work
-    groups = place_groups(plan, cluster, params, temperature)
+    network = cluster.network is not None
+    groups = None if network else place_groups(plan, cluster, params, temperature)
     comms = comm_times(work, model, plan, groups, cluster, params, temperature)
     kernel = kernels.kernel_times(work, model, cluster, params, temperature, grid)
     layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature)

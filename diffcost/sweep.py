@@ -174,7 +174,7 @@ def evaluate(
         lambda x: _global_array(as_float(x), whole), tree
     )
     model = replicate(model_arrays(space.model))
-    cluster = replicate(cluster_arrays(space.cluster))
+    cluster = replicate(cluster_arrays(space.cluster, n_gpus=space.n_gpus))
     params = replicate(params)
 
     chunk_in = jax.tree_util.tree_map(

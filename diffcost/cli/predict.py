@@ -68,6 +68,12 @@ def register(subparsers) -> None:
         "--megatron-args", metavar="ARGS", help="read model and plan from Megatron flags"
     )
     p.add_argument("--cluster", help="cluster preset (with --megatron-args)")
+    p.add_argument(
+        "--topology",
+        metavar="NAME",
+        help="price the collectives on a network graph: 'cluster' (the graph the cluster "
+        "describes), a configs/topologies preset or a YAML file (sets cluster.topology)",
+    )
     p.add_argument("--gpus", type=int, help="GPU count (with --megatron-args)")
     common.add_profile_argument(p)
     p.add_argument(
@@ -83,6 +89,17 @@ def register(subparsers) -> None:
 
 
 def _experiment(args: argparse.Namespace) -> Experiment:
+    """The experiment of a CONFIG with overrides, or of ``--megatron-args``, on the
+    ``--topology`` graph when given."""
+    exp = _loaded(args)
+    if getattr(args, "topology", None):
+        exp = dataclasses.replace(
+            exp, cluster=dataclasses.replace(exp.cluster, topology=args.topology)
+        )
+    return exp
+
+
+def _loaded(args: argparse.Namespace) -> Experiment:
     """The experiment of a CONFIG with overrides, or of ``--megatron-args``.
 
     Raises:

@@ -164,26 +164,24 @@ def ring_channels(topology: Topology, group) -> list[tuple[np.ndarray, np.ndarra
     """``(src, dst, weight)`` of the rings NCCL runs over ``group`` (endpoint indices); the
     weights sum to 1 (each ring carries that share of every step).
 
-    * across domains holding ``k`` ranks each: ``k`` rings, ring ``c`` visiting each domain's
-      ranks rotated by ``c`` so that it leaves every domain through a different GPU;
+    * across domains: ``k`` rings, ``k`` the fewest ranks a domain holds, ring ``c`` visiting
+      each domain's ranks rotated by ``c`` so that it leaves every domain through a different
+      GPU (as NCCL's channels use the NICs; equal domains: ``k`` their ranks);
     * in one domain, of these the one that loads its busiest link least (as
       ``collectives.ring_bandwidth_Bps`` chooses): where every pair is equally far (behind a
       switch, a full mesh) the ``n - 1`` rotations ``i -> i + s`` (every pair once, routed
       with ECMP); on direct GPU links the most Hamiltonian cycles the link counts carry, each
       in both directions; the rotations where neither applies;
-    * across domains of unequal size, the ring in rank order.
     """
     group = np.asarray(group, dtype=int)
     n = len(group)
     domains = topology.domain[group]
     labels, counts = np.unique(domains, return_counts=True)
-    if len(labels) > 1 and len(set(counts)) == 1:
-        local = np.stack([group[domains == d] for d in labels])
-        k = local.shape[1]
+    if len(labels) > 1:
+        local = [group[domains == d] for d in labels]
+        k = int(counts.min())
         rings = [_ring(np.concatenate([np.roll(row, -c) for row in local])) for c in range(k)]
         return [(s, d, 1.0 / k) for s, d in rings]
-    if len(labels) > 1:
-        return [(*_ring(group), 1.0)]
     rotations = [(group, np.roll(group, -s), 1.0 / (n - 1)) for s in range(1, n)]
     candidates = [rotations] if n < 3 or _equidistant(topology, group) else []
     links = topology.link_matrix(topology.endpoints[group])

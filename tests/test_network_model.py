@@ -1,0 +1,158 @@
+"""The cost model's network path: link loads, tables, pricing on the graph, sharing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffcost import api
+from diffcost.arrays import cluster_arrays
+from diffcost.network import generators as gen
+from diffcost.network import model as netmodel
+from diffcost.network.graph import LinkSpec
+from diffcost.network.attach import job_topology
+from diffcost.network.load import load_topology
+from diffcost.network.loads import link_loads
+from diffcost.network.routing import route
+from diffcost.network.tables import SLOTS, build_tables, groups_of
+from diffcost.simulate import simulate
+from diffcost.spec_values import ConfigError
+
+EXAMPLE = "configs/examples/gpt3-175b.yaml"
+
+
+@pytest.mark.parametrize(
+    "name", ["dgx1-cube-mesh", "tpu-torus-4x4x4", "tree-4x2", "leaf-spine-2to1"]
+)
+def test_link_loads_equal_routes(name):
+    topology = load_topology(name)
+    n = len(topology.endpoints)
+    rng = np.random.default_rng(1)
+    src, dst = rng.integers(0, n, 60), rng.integers(0, n, 60)
+    weight = rng.uniform(0.1, 2.0, 60)
+    load, latency = link_loads(topology, src, dst, weight)
+    routes = route(topology, src, dst)
+    np.testing.assert_allclose(load, weight @ routes.incidence, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(latency, routes.path_latency_s, rtol=1e-12, atol=1e-20)
+
+
+def test_groups_follow_the_stride():
+    assert groups_of(8, 2, 4).tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups_of(8, 4, 1).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def _dgx(nodes):
+    exp = api.load(EXAMPLE)
+    return gen.from_cluster(exp.cluster, nodes)
+
+
+def test_ring_loads_in_one_switch_domain():
+    """8 GPUs behind one switch: the rotations load every GPU link (n - 1) / n per buffer
+    byte; the pipeline send of 8 stages loads one link by a whole buffer."""
+    tables = build_tables(_dgx(1), 8)
+    grid = np.exp(np.asarray(tables.log_grid)).round().astype(int).tolist()
+    row = grid.index(8) * len(grid) + grid.index(1)
+    nvlink = list(tables.tiers).index("nvlink")
+    load = np.asarray(tables.load)[row]
+    assert load[SLOTS.index("ring"), nvlink] == pytest.approx(7 / 8, rel=1e-12)
+    assert load[SLOTS.index("send"), nvlink] == pytest.approx(1.0, rel=1e-12)
+    assert not np.asarray(tables.load)[: len(grid)].any()  # groups of one rank move nothing
+
+
+def _arrays(topology="cluster", contention=True):
+    exp = api.load(EXAMPLE)
+    exp = dataclasses.replace(exp, cluster=dataclasses.replace(exp.cluster, topology=topology))
+    model, plan, cluster = api.experiment_arrays(exp)
+    network = cluster.network.replace(contention=contention)
+    return model, plan, cluster.replace(network=network), api.params_for(exp)[0]
+
+
+def test_without_topology_nothing_is_attached():
+    exp = api.load(EXAMPLE)
+    assert api.experiment_arrays(exp)[2].network is None
+    assert cluster_arrays(exp.cluster, n_gpus=exp.plan.n_gpus).network is None
+
+
+def test_graph_path_reproduces_comm_on_the_cluster_graph():
+    """On the graph the cluster describes, the network path prices the example within 0.1% of
+    the existing one (the same ring shares and constants); contention only adds time."""
+    model, plan, cluster, params = _arrays(contention=False)
+    graph = float(simulate(model, plan, cluster, params).iteration_s)
+    base = float(simulate(model, plan, cluster.replace(network=None), params).iteration_s)
+    shared = cluster.replace(network=cluster.network.replace(contention=True))
+    contended = float(simulate(model, plan, shared, params).iteration_s)
+    assert graph == pytest.approx(base, rel=1e-3)
+    assert contended >= graph
+
+
+def test_gradients_reach_the_tier_capacities():
+    model, plan, cluster, params = _arrays()
+
+    def time_s(capacity):
+        c = cluster.replace(network=cluster.network.with_capacities(capacity))
+        return simulate(model, plan, c, params).iteration_s
+
+    capacity = jnp.asarray(cluster.network.tier_capacity_Bps)
+    grad = np.asarray(jax.grad(time_s)(capacity))
+    assert np.all(np.isfinite(grad)) and np.all(grad <= 0) and grad.min() < 0
+    for i in range(len(capacity)):
+        step = 1e-4 * capacity[i]
+        up, down = capacity.at[i].add(step), capacity.at[i].add(-step)
+        fd = (float(time_s(up)) - float(time_s(down))) / (2 * float(step))
+        assert grad[i] == pytest.approx(fd, rel=2e-2, abs=1e-16)
+
+
+def test_shared_delays():
+    capacity = jnp.array([100.0, 10.0])
+    # flows on different tiers do not slow each other
+    apart = netmodel.shared_delays_s([jnp.array([50.0, 0.0]), jnp.array([0.0, 5.0])], capacity)
+    np.testing.assert_allclose(apart, 0.0, atol=1e-6)
+    # two equal flows on one tier: each finishes when both would have, one alone time later
+    same = netmodel.shared_delays_s([jnp.array([50.0, 0.0]), jnp.array([50.0, 0.0])], capacity)
+    np.testing.assert_allclose(same, 0.5, rtol=1e-3)
+
+
+def test_job_topology_errors():
+    exp = api.load(EXAMPLE)
+    with pytest.raises(ConfigError, match="unknown topology preset"):
+        job_topology(exp.cluster, 8, "no-such-graph")
+    with pytest.raises(ConfigError, match="has 8 GPUs"):
+        job_topology(exp.cluster, 16, "dgx1-cube-mesh")
+    with pytest.raises(ConfigError, match="no topology"):
+        job_topology(exp.cluster, 16)
+
+
+def test_topology_key_in_a_cluster_override():
+    exp = api.load(EXAMPLE, ["cluster.topology=cluster"])
+    assert exp.cluster.topology == "cluster"
+    cluster = api.experiment_arrays(exp)[2]
+    assert cluster.network is not None and "leaf_spine" in cluster.network.tiers
+
+
+def test_two_gpu_groups_on_a_small_fat_tree():
+    """Two nodes on a fat-tree: a data-parallel ring across them crosses the NICs."""
+    nvlink, nic = LinkSpec(300e9), LinkSpec(25e9)
+    fabric = gen.fat_tree(2, 8, nic, hosts=16)
+    topology = gen.hierarchical(gen.switch_domain(8, nvlink), 2, fabric)
+    tables = build_tables(topology, 16)
+    grid = np.exp(np.asarray(tables.log_grid)).round().astype(int).tolist()
+    row = grid.index(2) * len(grid) + grid.index(8)  # pairs 8 apart: across the nodes
+    load = np.asarray(tables.load)[row, SLOTS.index("ring")]
+    assert load[list(tables.tiers).index("nic")] > 0
+
+
+def test_explain_reports_link_class_elasticities():
+    from diffcost.explain import explain
+
+    exp = api.load(EXAMPLE, ["cluster.topology=cluster"])
+    rows = {r["key"]: r for r in explain(exp)["elasticities"]}
+    tiers = [k for k in rows if k.startswith("link_")]
+    assert tiers == [k for k in rows if k in {"link_nvlink", "link_nic", "link_leaf_spine"}]
+    assert len(tiers) == 3
+    for k in tiers:
+        assert -1.0 <= rows[k]["elasticity"] <= 0.0
+    assert min(rows[k]["elasticity"] for k in tiers) < 0.0
