@@ -156,6 +156,7 @@ def send_pricing(topology: Topology, groups: np.ndarray) -> cost.CollectivePrici
         frac=jnp.ones((1, len(src))),
         steps=jnp.ones(1),
         latency_steps=jnp.ones(1),
+        in_switch=jnp.asarray(0.0),
     )
     return cost.CollectivePricing(
         links=jnp.asarray(links),
