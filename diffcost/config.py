@@ -107,6 +107,16 @@ def available_presets(kind: str) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.startswith("_"))
 
 
+def locate_experiment(name_or_path: str | os.PathLike) -> Path:
+    """The file of an experiment named as ``load_experiment`` takes it: a path, a shipped
+    example's bare file name (``gpt3-175b.yaml``) or its preset name.
+
+    Raises:
+        ConfigError: if no such file or example exists.
+    """
+    return _locate("examples", name_or_path)
+
+
 def _is_path(name: str) -> bool:
     return "/" in name or "\\" in name or name.endswith((".yaml", ".yml"))
 

@@ -29,6 +29,18 @@ def test_predict_json_has_documented_keys(capsys):
     assert sum(d["breakdown"].values()) == pytest.approx(d["iteration_s"], rel=1e-5)
 
 
+def test_predict_finds_a_shipped_example_by_file_name_from_any_directory(
+    capsys, tmp_path, monkeypatch
+):
+    """The README's first command: ``diffcost predict gpt-1b-vtrain.yaml`` outside the checkout
+    (the graph-model check must not read the name as a path), and a missing file is exit 2."""
+    monkeypatch.chdir(tmp_path)
+    d = _json(capsys, ["predict", Path(EXAMPLE).name, "--json"])
+    assert d["status"] == "ok"
+    assert cli.main(["predict", "no-such-experiment.yaml"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
 def test_predict_table_mentions_breakdown_and_verdict(capsys):
     assert cli.main(["predict", EXAMPLE]) == 0
     out = capsys.readouterr().out

@@ -58,7 +58,11 @@ def graph_config(path: str | None) -> dict | None:
     sharding: data}``), or None for any other file."""
     if not path or not str(path).endswith((".yaml", ".yml")):
         return None
-    doc, where = config.read_yaml(path)
+    try:
+        file = config.locate_experiment(path)
+    except config.ConfigError:
+        return None  # the experiment loader reports it
+    doc, where = config.read_yaml(file)
     model = doc.get("model")
     if not isinstance(model, dict) or "graph" not in model:
         return None
