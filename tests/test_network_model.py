@@ -13,8 +13,8 @@ from diffcost import api
 from diffcost.arrays import cluster_arrays
 from diffcost.network import generators as gen
 from diffcost.network import model as netmodel
-from diffcost.network.graph import LinkSpec
 from diffcost.network.attach import job_topology
+from diffcost.network.graph import LinkSpec
 from diffcost.network.load import load_topology
 from diffcost.network.loads import link_loads
 from diffcost.network.routing import route
