@@ -38,3 +38,22 @@ def rows(args: argparse.Namespace, numbered: bool = False) -> list[dict] | None:
         print(f"error: --source {args.source!r}: not in {path}; sources: {known}", file=sys.stderr)
         return None
     return [r for r in out if r["source"] == args.source]
+
+
+def predictable(path: Path):
+    """Every row of the end-to-end CSV ``path`` the model represents, as ``(i, row, model,
+    plan, cluster, params)``: ``i`` the 1-based data row, the specs of ``diffcost.runs``
+    (rows it skips are left out) and the cluster's shipped constants (read once per cluster)."""
+    from diffcost.profiles import params_for
+    from diffcost.runs import RowSkipped, read_rows, row_to_specs
+
+    specs_cache: dict = {}
+    params_cache: dict = {}
+    for i, row in enumerate(read_rows(path), start=1):
+        try:
+            model, plan, cluster, _ = row_to_specs(row, specs_cache)
+        except RowSkipped:
+            continue
+        if cluster.name not in params_cache:
+            params_cache[cluster.name] = params_for(cluster)[0]
+        yield i, row, model, plan, cluster, params_cache[cluster.name]

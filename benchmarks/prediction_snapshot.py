@@ -25,9 +25,10 @@ import numpy as np  # noqa: E402
 
 from diffcost import api  # noqa: E402
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack  # noqa: E402
-from diffcost.profiles import params_for  # noqa: E402
-from diffcost.runs import RowSkipped, read_rows, row_to_specs  # noqa: E402
 from diffcost.simulate import simulate  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_rows  # noqa: E402  (a sibling script module, found however this one is loaded)
 
 FIELDS = ("iteration_s", "memory_peak_bytes")
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,16 +45,9 @@ def snapshot(data: Path) -> dict:
     """{"rows": {row number: prediction}, "examples": {file name: prediction}}."""
     rows: dict[str, dict] = {}
     batch = []
-    specs_cache: dict = {}
-    params_cache: dict = {}
-    for i, row in enumerate(read_rows(data / "e2e" / "calibration.csv"), start=1):
-        try:
-            model, plan, cluster, _ = row_to_specs(row, specs_cache)
-        except RowSkipped:
-            continue
-        if cluster.name not in params_cache:
-            params_cache[cluster.name] = params_for(cluster)[0]
-        params = params_cache[cluster.name]
+    for i, _, model, plan, cluster, params in e2e_rows.predictable(
+        data / "e2e" / "calibration.csv"
+    ):
         batch.append((i, model_arrays(model), plan_arrays(plan), cluster_arrays(cluster), params))
     out = jax.jit(jax.vmap(simulate))(*(stack([b[k] for b in batch]) for k in range(1, 5)))
     for j, b in enumerate(batch):

@@ -31,11 +31,12 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_rows  # noqa: E402  (a sibling script module, found however this one is loaded)
 
 from diffcost import api  # noqa: E402
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays  # noqa: E402
-from diffcost.profiles import params_for  # noqa: E402
-from diffcost.runs import RowSkipped, read_rows, row_to_specs  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 PATHS = ("comm", "graph", "graph_contention")
@@ -59,20 +60,14 @@ def _predictions(model, plan, cluster, params) -> tuple[dict, float]:
 
 def measure(quick: bool = False, data: Path = DATA) -> dict:
     errors: dict = defaultdict(lambda: defaultdict(list))
-    params_cache: dict = {}
-    specs_cache: dict = {}
     build_s = 0.0
-    for i, row in enumerate(read_rows(Path(data) / "e2e" / "calibration.csv")):
-        if quick and i % 8:
+    for i, row, model, plan, cluster, params in e2e_rows.predictable(
+        Path(data) / "e2e" / "calibration.csv"
+    ):
+        if quick and (i - 1) % 8:
             continue
-        try:
-            model, plan, cluster, _ = row_to_specs(row, specs_cache)
-        except RowSkipped:
-            continue
-        if cluster.name not in params_cache:
-            params_cache[cluster.name] = params_for(cluster)[0]
         measured = float(row["measured_iter_s"])
-        pred, spent = _predictions(model, plan, cluster, params_cache[cluster.name])
+        pred, spent = _predictions(model, plan, cluster, params)
         build_s += spent
         for path in PATHS:
             errors[cluster.name][path].append(abs(pred[path] / measured - 1.0))
