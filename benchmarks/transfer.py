@@ -3,7 +3,7 @@ leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
         [--no-few-shot] [--few-shot own|joint] [--suggest] [--unseen population|defaults]
-        [--device-layer-grid] [--no-stacks] [--no-family-parents]
+        [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
 usually from a cluster, a framework or a scale no measurement covers.
@@ -27,11 +27,13 @@ usually from a cluster, a framework or a scale no measurement covers.
    fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR`` (``Transfer.refit``).
 
 ``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
-``diffcost suggest``'s design against 3 random ones. ``--quick`` fits 60 steps, leaves out the
-cluster groups and runs one few-shot draw per k: a smoke run, its figures are not the
-benchmark's. Results go to ``benchmarks/results/transfer.json`` (``--out``), the held-out rows
-to ``transfer_rows.csv`` beside it, and a plot of every held-out group to
-``transfer_zero_shot.png``.
+``diffcost suggest``'s design on the zero-shot fit's Laplace posterior against 3 random ones.
+``--fits DIR`` keeps every zero-shot fit in ``DIR`` (``calibration.fit_cache``): a later run
+with the same code, data and settings, e.g. ``--suggest`` after the few-shot run, reads them.
+``--quick`` fits 60 steps, leaves out the cluster groups and runs one few-shot draw per k: a
+smoke run, its figures are not the benchmark's. Results go to
+``benchmarks/results/transfer.json`` (``--out``), the held-out rows to ``transfer_rows.csv``
+beside it, and a plot of every held-out group to ``transfer_zero_shot.png``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np  # noqa: E402
 from cv_report import clean_json, finish, fmt, grouped_pred_meas  # noqa: E402
 
 from calibration import fit as F  # noqa: E402
+from calibration.fit_cache import FitCache  # noqa: E402
 from calibration.heldout import (  # noqa: E402
     Predictor,
     ape_pct,
@@ -62,9 +65,10 @@ from calibration.heldout import (  # noqa: E402
     target_tables,
     trained_keys,
 )
+from calibration.posterior import flat_jacobians, fold_covariance  # noqa: E402
 from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
 from diffcost.suggest import greedy_design  # noqa: E402
-from diffcost.uncertainty import log_time_jacobians, prior_uncertainty  # noqa: E402
+from diffcost.uncertainty import log_time_jacobians  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -113,7 +117,9 @@ class Transfer:
         chunk = max(int((self.src == s).sum()) for s in set(self.src))
         n_fam, n_clu = len(self.P.families), len(self.P.clusters)
         self.predictor = Predictor(min(chunk, 512), n_fam, n_clu, self.cfg.temperature)
-        self.zero_shot_fits: dict = {}  # held-out row mask (bytes) -> (result, tables, weights)
+        # held-out row mask (bytes) -> (fit steps, tables, weights); on disk with ``--fits``
+        self.zero_shot_fits: dict = {}
+        self.cache = FitCache(args.fits, ROOT, Path(args.data))
         self.say(f"{len(self.e2e)} e2e, {self.P.counts['coll']} collective, "
                  f"{self.P.counts.get('gemm', 0)} GEMM rows")  # fmt: skip
 
@@ -210,10 +216,16 @@ def zero_shot(t: Transfer, kind: str, name: str, held: np.ndarray) -> tuple[dict
     """Fit without the ``held`` rows and predict them; the group's figures and predictions."""
     key = held.tobytes()
     if key not in t.zero_shot_fits:
-        res, tables, w, wall = t.fit(~held)
-        t.zero_shot_fits[key] = (res, tables, w)
-        t.say(f"{kind} {name}: fit without {held.sum()} rows, {res.steps} steps in {wall:.0f} s")
-    res, tables, w = t.zero_shot_fits[key]
+        fitted = t.cache.get(held, t.cfg)
+        if fitted is None:
+            res, tables, w, wall = t.fit(~held)
+            fitted = (res.steps, tables, w)
+            t.cache.put(held, t.cfg, fitted)
+            t.say(f"{kind} {name}: fit without {held.sum()} rows, {res.steps} steps, {wall:.0f} s")
+        else:
+            t.say(f"{kind} {name}: fit without {held.sum()} rows read from {t.cache.folder}")
+        t.zero_shot_fits[key] = fitted
+    _, tables, w = t.zero_shot_fits[key]
     idx = np.flatnonzero(held)
     pred = t.predict(idx, tables, w)
     m = group_metrics(pred, t.log_meas[idx])
@@ -295,16 +307,32 @@ def few_shot(t: Transfer, name: str, held: np.ndarray, k: int, draws: int) -> di
 
 def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
     """``diffcost suggest``'s design on a held-out source: of its runs, the ``k`` whose
-    measurement most shrinks the variance of the group's mean log time (``greedy_design`` with
-    each run's Jacobian at the zero-shot fit, the prior covariance of the constants, and the
-    residual spread of the other groups as the noise), refitted as ``few_shot`` refits random
-    draws; the error on the source's other runs beside the random draws' (``few_shot``)."""
+    measurement most shrinks the variance of the group's mean log time (``greedy_design``),
+    refitted as ``few_shot`` refits random draws; the error on the source's other runs beside
+    the random draws' (``few_shot``). The design's model is ``suggest``'s: each run's Jacobian
+    at the zero-shot fit, placed at its own family's and cluster's constants; their covariance
+    the Laplace posterior of the zero-shot fit (``posterior.fold_covariance``: constants the
+    training runs inform are narrow, those of a family or cluster they never reach keep their
+    prior width); the stack offset as one more unknown with the other groups' stack spread
+    where the source's stack is unseen; the other groups' residual spread as the noise."""
     held = t.src == g["name"]
     _, tables0, w0 = t.zero_shot_fits[held.tobytes()]
     idx = np.flatnonzero(held)
-    jac = t.jacobians(idx, tables0, w0)
-    noise = g.get("interval_sd", {}).get("residual", 0.05) ** 2
-    picks = [i for i, _ in greedy_design(jac.mean(0), jac, prior_uncertainty().cov, noise, k)]
+    d = np.asarray(t.P.data["e2e"]["d"])[idx]
+    c = np.asarray(t.P.data["e2e"]["c"])[idx]
+    full = flat_jacobians(t.P, t.jacobians(idx, tables0, w0), d, c)
+    t.say(f"suggest {g['name']}: posterior of the zero-shot fit")
+    cov = fold_covariance(t.P, tables0, w0, t.cfg)
+    used = np.flatnonzero(np.abs(full).sum(0) > 0)
+    spreads = g.get("interval_sd", {})
+    stack_var = spreads.get("stack", 0.0) ** 2 if spreads.get("stack_seen_rows", 0) == 0 else 0.0
+    jac = np.hstack([full[:, used], np.ones((len(idx), 1))])
+    cov = np.block([
+        [cov[np.ix_(used, used)], np.zeros((used.size, 1))],
+        [np.zeros((1, used.size)), np.full((1, 1), stack_var)],
+    ])  # fmt: skip
+    noise = spreads.get("residual", 0.05) ** 2
+    picks = [i for i, _ in greedy_design(jac.mean(0), jac, cov, noise, k)]
     shot = idx[picks]
     mape = t.refit(held, shot)
     random = few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS)
@@ -317,6 +345,7 @@ def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
         "random_mape_pct_mean": random["mape_pct_mean"],
         "random_mape_pct_worst": random["mape_pct_worst"],
         "suggested_rows": [t.e2e[i].row for i in shot],
+        "suggested_clusters": sorted({t.cluster[i] for i in shot}),
     }
 
 
@@ -501,6 +530,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-family-parents", action="store_true",
                     help="centre every device prior on the defaults (FitConfig)")  # fmt: skip
     ap.add_argument("--data", default=str(DATA), help="shared data directory")
+    ap.add_argument("--fits", default="",
+                    help="folder keeping the zero-shot fits: a later run with the same "
+                         "code, data and settings reads them (calibration.fit_cache)")  # fmt: skip
     ap.add_argument("--plots", default=str(RESULTS), help="directory for the PNG plot ('' none)")
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"), help="results JSON")
     args = ap.parse_args(argv)

@@ -294,3 +294,48 @@ def population_block(result: F.FitResult, problem: F.Problem, clusters, spreads:
         spreads["stack_sd"],
         {"rows": 0, "stacks": []},
     )
+
+
+def fold_covariance(problem: F.Problem, tables, weights: dict, cfg: F.FitConfig) -> np.ndarray:
+    """The Laplace covariance of the flat constants (``information``'s order) of a fit on the
+    rows ``weights`` keeps (level -> per-row weight; a level it does not name keeps every row),
+    at that fit's ``tables``: each kept row is one observation with its level's mean squared
+    log residual as the variance and the Cauchy penalty's IRLS weight, as in ``laplace``. A
+    family or cluster no kept row reaches keeps its prior width. Used for held-out studies,
+    where the fit's own residual statistics are all there is."""
+    jac = row_jacobians(problem, tables, cfg.temperature)
+    with jax.enable_x64(True):
+        data = jax.tree_util.tree_map(_float64, problem.data)
+        dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
+        logs = F.predict_log(dev, clu, data, cfg.temperature)
+    H = np.diag(1.0 / np.square(prior_widths(problem)))
+    nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
+    for level, (jd, jc) in jac.items():
+        r = np.asarray(logs[level], float) - np.asarray(problem.data[level]["log_meas"], float)
+        keep = np.asarray(weights.get(level, np.ones_like(r)), float) > 0
+        if not keep.any():
+            continue
+        var = max(float(np.mean(r[keep] ** 2)), 1e-8)
+        u = keep / (1.0 + np.square(r / cfg.huber_delta)) / var
+        d = np.asarray(problem.data[level]["d"])[keep]
+        c = np.asarray(problem.data[level]["c"])[keep]
+        full = np.zeros((int(keep.sum()), H.shape[0]))
+        rows = np.arange(full.shape[0])[:, None]
+        full[rows, d[:, None] * nd + np.arange(nd)] = jd[keep]
+        full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc[keep]
+        H += full.T @ (u[keep][:, None] * full)
+    return np.linalg.inv(0.5 * (H + H.T))
+
+
+def flat_jacobians(problem: F.Problem, jac: np.ndarray, families, clusters) -> np.ndarray:
+    """Rows' Jacobians over ``diffcost.params.SCALAR_NAMES`` (``[rows, names]``) placed in
+    ``information``'s flat layout: device constants at the row's family (``families``: its
+    index in ``problem.families``), the others at its cluster (``clusters``)."""
+    nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
+    out = np.zeros((len(jac), nf * nd + len(problem.clusters) * ncl))
+    rows = np.arange(len(jac))[:, None]
+    dev_k = np.array([k for k, *_ in DEV_ENTRIES])
+    clu_k = np.array([k for k, *_ in CLU_ENTRIES])
+    out[rows, np.asarray(families)[:, None] * nd + np.arange(nd)] = jac[:, dev_k]
+    out[rows, nf * nd + np.asarray(clusters)[:, None] * ncl + np.arange(ncl)] = jac[:, clu_k]
+    return out

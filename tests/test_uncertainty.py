@@ -250,3 +250,36 @@ def test_a_cluster_without_runs_sees_no_stack_and_says_so():
     for p in (plain, named):
         assert not p.stack_seen and p.spread.stack_sd > 0
         assert any("no end-to-end runs of selene-a100-80g" in w for w in p.warnings)
+
+
+def test_fold_covariance_narrows_what_kept_rows_touch_and_is_the_prior_without_rows():
+    meas = synthetic_collectives()
+    problem = fit_mod.build_problem(meas)
+    cfg = fit_mod.FitConfig(steps=100)
+    tables = fit_mod.fit(meas, cfg, progress=False, problem=problem).tables
+    prior = posterior.prior_widths(problem) ** 2
+    n = problem.counts["coll"]
+    none = posterior.fold_covariance(problem, tables, {"coll": np.zeros(n)}, cfg)
+    np.testing.assert_allclose(none, np.diag(prior), rtol=1e-12)
+    cov = posterior.fold_covariance(problem, tables, {"coll": np.ones(n)}, cfg)
+    ncl = len(posterior.CLU_ENTRIES)
+    nf_nd = len(problem.families) * len(posterior.DEV_ENTRIES)
+    names = [name for _, name, *_ in posterior.CLU_ENTRIES]
+    j = nf_nd + problem.clusters.index(CLUSTER) * ncl + names.index("nvlink_eff")
+    assert cov[j, j] < 0.1 * prior[j]  # the all-reduce tables pin NVLink
+    k = nf_nd + problem.clusters.index(CLUSTER) * ncl + names.index("host_op_s")
+    assert cov[k, k] == pytest.approx(prior[k], rel=1e-6)  # no collective moves it
+
+
+def test_flat_jacobians_place_each_row_at_its_family_and_cluster():
+    problem = fit_mod.Problem(["a100", "h100"], ["x", "y", "z"], data={}, counts={})
+    jac = np.arange(2 * len(SCALAR_NAMES), dtype=float).reshape(2, -1) + 1.0
+    full = posterior.flat_jacobians(problem, jac, families=[1, 0], clusters=[2, 0])
+    nd, ncl = len(posterior.DEV_ENTRIES), len(posterior.CLU_ENTRIES)
+    dev_k = [k for k, *_ in posterior.DEV_ENTRIES]
+    clu_k = [k for k, *_ in posterior.CLU_ENTRIES]
+    np.testing.assert_array_equal(full[0, nd : 2 * nd], jac[0, dev_k])
+    np.testing.assert_array_equal(full[0, 2 * nd + 2 * ncl :], jac[0, clu_k])
+    np.testing.assert_array_equal(full[1, :nd], jac[1, dev_k])
+    np.testing.assert_array_equal(full[1, 2 * nd : 2 * nd + ncl], jac[1, clu_k])
+    assert np.count_nonzero(full, axis=1).tolist() == [len(SCALAR_NAMES)] * 2
