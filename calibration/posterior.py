@@ -296,34 +296,51 @@ def population_block(result: F.FitResult, problem: F.Problem, clusters, spreads:
     )
 
 
-def fold_covariance(problem: F.Problem, tables, weights: dict, cfg: F.FitConfig) -> np.ndarray:
+def _thinned(problem: F.Problem, weights: dict, max_rows: int):
+    """A problem of at most ``max_rows`` of each level's kept rows (evenly spaced), and per
+    level the factor each stands for (kept rows / rows taken)."""
+    data, counts, scale = {}, {}, {}
+    for level, d in problem.data.items():
+        n = problem.counts[level]
+        kept = np.flatnonzero(np.asarray(weights.get(level, np.ones(n)), float) > 0)
+        if kept.size == 0:
+            continue
+        pick = np.linspace(0, kept.size - 1, min(kept.size, max_rows)).round().astype(int)
+        take = kept[np.unique(pick)]
+        data[level] = jax.tree_util.tree_map(lambda x, take=take: x[take], d)
+        counts[level], scale[level] = take.size, kept.size / take.size
+    return F.Problem(problem.families, problem.clusters, data, counts), scale
+
+
+def fold_covariance(
+    problem: F.Problem, tables, weights: dict, cfg: F.FitConfig, max_rows: int = 600
+) -> np.ndarray:
     """The Laplace covariance of the flat constants (``information``'s order) of a fit on the
     rows ``weights`` keeps (level -> per-row weight; a level it does not name keeps every row),
     at that fit's ``tables``: each kept row is one observation with its level's mean squared
     log residual as the variance and the Cauchy penalty's IRLS weight, as in ``laplace``. A
-    family or cluster no kept row reaches keeps its prior width. Used for held-out studies,
-    where the fit's own residual statistics are all there is."""
-    jac = row_jacobians(problem, tables, cfg.temperature)
+    family or cluster no kept row reaches keeps its prior width. For speed each level's
+    information is estimated from at most ``max_rows`` of its kept rows, evenly spaced, each
+    standing for its share of the rest. Used for held-out studies, where the fit's own
+    residual statistics are all there is."""
+    sub, scale = _thinned(problem, weights, max_rows)
+    jac = row_jacobians(sub, tables, cfg.temperature)
     with jax.enable_x64(True):
-        data = jax.tree_util.tree_map(_float64, problem.data)
+        data = jax.tree_util.tree_map(_float64, sub.data)
         dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
         logs = F.predict_log(dev, clu, data, cfg.temperature)
     H = np.diag(1.0 / np.square(prior_widths(problem)))
     nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
     for level, (jd, jc) in jac.items():
-        r = np.asarray(logs[level], float) - np.asarray(problem.data[level]["log_meas"], float)
-        keep = np.asarray(weights.get(level, np.ones_like(r)), float) > 0
-        if not keep.any():
-            continue
-        var = max(float(np.mean(r[keep] ** 2)), 1e-8)
-        u = keep / (1.0 + np.square(r / cfg.huber_delta)) / var
-        d = np.asarray(problem.data[level]["d"])[keep]
-        c = np.asarray(problem.data[level]["c"])[keep]
-        full = np.zeros((int(keep.sum()), H.shape[0]))
-        rows = np.arange(full.shape[0])[:, None]
-        full[rows, d[:, None] * nd + np.arange(nd)] = jd[keep]
-        full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc[keep]
-        H += full.T @ (u[keep][:, None] * full)
+        r = np.asarray(logs[level], float) - np.asarray(sub.data[level]["log_meas"], float)
+        var = max(float(np.mean(r**2)), 1e-8)
+        u = scale[level] / (1.0 + np.square(r / cfg.huber_delta)) / var
+        d, c = np.asarray(sub.data[level]["d"]), np.asarray(sub.data[level]["c"])
+        full = np.zeros((r.size, H.shape[0]))
+        rows = np.arange(r.size)[:, None]
+        full[rows, d[:, None] * nd + np.arange(nd)] = jd
+        full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc
+        H += full.T @ (u[:, None] * full)
     return np.linalg.inv(0.5 * (H + H.T))
 
 

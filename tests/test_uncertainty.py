@@ -267,6 +267,8 @@ def test_fold_covariance_narrows_what_kept_rows_touch_and_is_the_prior_without_r
     names = [name for _, name, *_ in posterior.CLU_ENTRIES]
     j = nf_nd + problem.clusters.index(CLUSTER) * ncl + names.index("nvlink_eff")
     assert cov[j, j] < 0.1 * prior[j]  # the all-reduce tables pin NVLink
+    half = posterior.fold_covariance(problem, tables, {"coll": np.ones(n)}, cfg, n // 2)
+    assert half[j, j] == pytest.approx(cov[j, j], rel=0.5)  # half the rows, each counted twice
     k = nf_nd + problem.clusters.index(CLUSTER) * ncl + names.index("host_op_s")
     assert cov[k, k] == pytest.approx(prior[k], rel=1e-6)  # no collective moves it
 
