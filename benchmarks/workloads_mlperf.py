@@ -13,6 +13,7 @@ the reason), predicts every represented row
 and reports the mean absolute percentage error per benchmark and per accelerator.
 
     python benchmarks/workloads_mlperf.py [--json] [--quick] [--out FILE.json] [--rows FILE.csv]
+        [--benchmarks bert,dlrm_dcnv2]
 
 ``measure(quick)`` returns the same dictionary for ``benchmarks/workloads.py``.
 """
@@ -90,13 +91,16 @@ def _summary(keys, measured, zero, calibrated) -> dict:
     return out
 
 
-def measure(quick: bool = False, data: Path = DATA) -> dict:
+def measure(quick: bool = False, data: Path = DATA, benchmarks=None) -> dict:
     """Rows, predictions and MAPE per benchmark (``"mlperf"``), per accelerator
     (``"mlperf_by_accelerator"``), the rows not represented with the reason
-    (``"mlperf_not_represented"``) and every predicted row (``"mlperf_rows"``)."""
+    (``"mlperf_not_represented"``) and every predicted row (``"mlperf_rows"``); only the
+    benchmarks named in ``benchmarks`` when given (the others report no predicted row)."""
     t0 = time.perf_counter()
     csv_rows, meas = mlperf.load(Path(data) / "e2e" / "mlperf_training_v4.0.csv")
     records = meas.e2e
+    if benchmarks is not None:
+        records = [r for r in records if r.source_name.split("/")[-1] in benchmarks]
     settings = fit.FitSettings(steps=QUICK_STEPS) if quick else fit.FitSettings()
     bench = np.array([r.source_name.split("/")[-1] for r in records])
     halves = _halves(records, csv_rows, bench)
@@ -180,13 +184,29 @@ def main(argv=None) -> int:
     ap.add_argument("--data", type=Path, default=DATA, help="shared data directory")
     ap.add_argument("--out", type=Path, help="write the JSON here")
     ap.add_argument("--rows", type=Path, help="write every predicted row to this CSV")
+    ap.add_argument(
+        "--benchmarks",
+        metavar="B,B",
+        help=f"only these benchmarks (comma-separated; of {', '.join(mlperf.BENCHMARKS)})",
+    )
     args = ap.parse_args(argv)
+    subset = None
+    if args.benchmarks:
+        subset = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        unknown = sorted(set(subset) - set(mlperf.BENCHMARKS))
+        if unknown:
+            print(
+                f"error: --benchmarks {unknown}: not benchmarks; valid: "
+                f"{', '.join(mlperf.BENCHMARKS)}",
+                file=sys.stderr,
+            )
+            return 2
     path = args.data / "e2e" / "mlperf_training_v4.0.csv"
     if not path.is_file():
         print(f"error: --data {str(args.data)!r}: no {path.name} in its e2e/", file=sys.stderr)
         return 2
     try:
-        res = measure(args.quick, args.data)
+        res = measure(args.quick, args.data, subset)
     except ReaderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,8 +34,10 @@ Costs, all in seconds on one device (the devices run in lock step):
   data-parallel (``B``) weight all-reduces its gradient (the weight-gradient sync) while a
   split weight (``S``) does not.
 * **Parameters** are nodes of their own whose signature is their stored layout (``B``
-  replicated, ``S(i)`` sharded); the optimizer update of a stored shard reads and writes
-  ``OPTIMIZER_PASSES`` times its bytes. A sharded weight read as ``B`` is all-gathered in the
+  replicated, ``S(i)`` sharded); the optimizer update of a stored shard moves
+  ``Params.optimizer_bytes_per_param`` per element (the transformer core's constant; its
+  default, 28, is Adam's seven fp32 passes: read weight, gradient, two moments; write weight,
+  two moments). A sharded weight read as ``B`` is all-gathered in the
   forward and its gradient reduce-scattered: FSDP / ZeRO-3.
 
 The search problem is a pairwise cost over the nodes' signature choices: ``node_s[i, s]`` plus
@@ -67,7 +69,6 @@ from diffcost.params import Params
 
 B, P = Sbp("B"), Sbp("P")
 BACKWARD_FACTOR = {kind: 2.0 for kind in GEMM_KINDS}  # others: 1.0
-OPTIMIZER_PASSES = 7.0  # Adam: read weight, gradient, two moments; write weight, two moments
 RELAYOUTS = ("none", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 _SUM_REDUCTIONS = frozenset(("reduce_sum",))
 
@@ -484,15 +485,16 @@ def _unfinished_bytes(problem: SbpProblem) -> np.ndarray:
     return out
 
 
-def _stored_bytes(problem: SbpProblem) -> np.ndarray:
-    """Optimizer-update bytes of every trained stored tensor per signature ``[n_nodes, K]``."""
+def _stored_elements(problem: SbpProblem) -> np.ndarray:
+    """Elements of every trained stored shard (the optimizer updates) per signature
+    ``[n_nodes, K]``."""
     k = problem.max_signatures
     out = np.zeros((len(problem.nodes), k))
     for i, node in enumerate(problem.nodes):
         if node.op < 0 and node.trained:
-            size = problem.graph.tensors[node.tensor].bytes
+            size = problem.graph.tensors[node.tensor].size
             for s, sig in enumerate(node.signatures):
-                out[i, s] = OPTIMIZER_PASSES * size / (problem.mesh_size if sig.split else 1)
+                out[i, s] = size / (problem.mesh_size if sig.split else 1)
     return out
 
 
@@ -520,7 +522,7 @@ def sbp_parts(
     size = np.asarray([problem.graph.tensors[u.tensor].bytes for u in problem.uses], float)
     return _price(
         candidate_arrays(problem, graph_arrays(problem.graph)),
-        jnp.asarray(_stored_bytes(problem)),
+        jnp.asarray(_stored_elements(problem)),
         jnp.asarray(_unfinished_bytes(problem)),
         jnp.asarray(size.reshape(-1)),
         jnp.asarray(fwd),
@@ -536,6 +538,7 @@ def sbp_parts(
 @partial(jax.jit, static_argnums=(8, 9, 10))
 def _price(cand, stored, partial_out, size, fwd, bwd, cluster, params, n, n_nodes, temperature):
     compute = op_times_s(cand, cluster, params, temperature).reshape(n_nodes, -1)
+    stored = stored * params.optimizer_bytes_per_param
     optimizer = jnp.where(stored > 0, memory_bound_s(stored, cluster, params), 0.0)
     group = comm.place(n, 1.0, cluster.gpus_per_node)
     args = (group, cluster, params, temperature)

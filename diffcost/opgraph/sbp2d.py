@@ -164,8 +164,8 @@ def _collective_s(code, size, n, group, cluster, params, temperature):
 
 
 def _stored_and_partial(problem: MeshProblem):
-    """``[N, K]`` optimizer bytes of trained stored shards and ``[2, N, K]`` partial-output
-    bytes per axis."""
+    """``[N, K]`` elements of trained stored shards (the optimizer updates) and ``[2, N, K]``
+    partial-output bytes per axis."""
     g, k, d = problem.graph, problem.max_signatures, problem.mesh_shape
     stored = np.zeros((len(problem.nodes), k))
     partial = np.zeros((2, len(problem.nodes), k))
@@ -175,7 +175,7 @@ def _stored_and_partial(problem: MeshProblem):
             sa, sb = sig.axes
             if node.op < 0 and node.trained:
                 div = _divisor(sa.outputs[0], sb.outputs[0], d)
-                stored[i, s] = 7.0 * g.tensors[node.tensor].bytes / div
+                stored[i, s] = g.tensors[node.tensor].size / div
             if node.op >= 0:
                 op = g.operators[node.op]
                 for j, t in enumerate(op.outputs):
@@ -203,6 +203,7 @@ def mesh_parts(
 @partial(jax.jit, static_argnums=(9, 10, 11))
 def _price(cand, stored, partial_out, fwd, bwd, fwd_bytes, bwd_bytes, cluster, params, d, n, tau):
     compute = op_times_s(cand, cluster, params, tau).reshape(n, -1)
+    stored = stored * params.optimizer_bytes_per_param
     optimizer = jnp.where(stored > 0, memory_bound_s(stored, cluster, params), 0.0)
     per_node = cluster.gpus_per_node
     groups = (comm.place(d[0], float(d[1]), per_node), comm.place(d[1], 1.0, per_node))
