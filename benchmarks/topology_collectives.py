@@ -13,7 +13,9 @@ per GPU family by ``calibration.network_fit`` on these same tables (all other co
 at the profiles). Prints the MAPE per cluster: the graph with those fitted constants (in
 sample), with them at their datasheet defaults ("prior"), with them fitted on the other half
 of the sizes ("held-out": two folds by the parity of ``floor(log2(size))``), and ``comm``.
-``--quick`` keeps every 16th size of the vTrain tables (1,024 sizes per group size).
+``--quick`` keeps every 16th size of the vTrain tables (1,024 sizes per group size);
+``--cases`` also prints the held-out MAPE and mean signed error of every table (cluster,
+collective, group size, concurrent groups), which the JSON always carries under ``"cases"``.
 Send/recv rows (4) and XLA permutes are not priced.
 """
 
@@ -79,9 +81,11 @@ def _cases(quick: bool) -> dict:
 
 
 def _tables(quick: bool) -> list[dict]:
-    """Every case priced: its ``PricedTable``, whether NVLS is offered, and ``comm``'s times."""
+    """Every case priced: its ``PricedTable``, whether NVLS is offered, ``comm``'s times, and
+    the case's key ``(cluster, collective, group_size, n_groups, per_node)``."""
     out, params_of = [], {}
-    for (name, op, *_), recs in sorted(_cases(quick).items()):
+    for key, recs in sorted(_cases(quick).items()):
+        name, op = key[:2]
         cluster = load_cluster(name)
         if name not in params_of:
             params_of[name] = profiles.params_for(cluster)[0]
@@ -97,7 +101,7 @@ def _tables(quick: bool) -> list[dict]:
             params,
         )
         comm_s = np.asarray(_comm_s(op, jnp.asarray(sizes), recs[0], cluster, params))
-        out.append({"table": table, "switch": switch, "comm_s": comm_s})
+        out.append({"table": table, "switch": switch, "comm_s": comm_s, "key": key})
     return out
 
 
@@ -123,11 +127,27 @@ def _heldout_s(entries: list[dict], fit: SwitchFit) -> list[np.ndarray]:
     return out
 
 
+def _case(e: dict, held: np.ndarray) -> dict:
+    """One table's held-out MAPE and mean signed error (%, predicted over measured)."""
+    err = held / e["table"].measured_s - 1.0
+    cluster, op, group, groups = e["key"][:4]
+    return {
+        "cluster": cluster,
+        "collective": op,
+        "group_size": group,
+        "n_groups": groups,
+        "rows": len(err),
+        "mape_pct_heldout": round(100.0 * float(np.mean(np.abs(err))), 2),
+        "bias_pct_heldout": round(100.0 * float(np.mean(err)), 2),
+    }
+
+
 def measure(quick: bool = False) -> dict:
     """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_prior", "mape_pct_heldout",
-    "mape_pct_comm"}}, "switch_constants": {family: {name: value}}}``: the graph path with the
-    switch constants fitted on all rows (``mape_pct``), at their datasheet defaults
-    (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``."""
+    "mape_pct_comm"}}, "switch_constants": {family: {name: value}}, "cases": [...]}``: the
+    graph path with the switch constants fitted on all rows (``mape_pct``), at their datasheet
+    defaults (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
+    ``cases`` the held-out error of each table (``_case``)."""
     entries = _tables(quick)
     fit = SwitchFit([e["table"] for e in entries if e["switch"]])
     fitted = fit.fit()
@@ -149,13 +169,15 @@ def measure(quick: bool = False) -> dict:
         | {key: round(100.0 * float(np.mean(v)), 2) for key, v in errs.items()}
         for name, errs in sorted(errors.items())
     }
-    return {"collectives": out, "switch_constants": fitted}
+    cases = [_case(e, held) for e, held in zip(entries, heldout)]
+    return {"collectives": out, "switch_constants": fitted, "cases": cases}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument("--quick", action="store_true", help="every 16th vTrain size")
+    parser.add_argument("--cases", action="store_true", help="print the error of every table")
     args = parser.parse_args(argv)
     result = measure(args.quick)
     if args.json:
@@ -169,6 +191,13 @@ def main(argv=None) -> None:
         )
     for family, values in result["switch_constants"].items():
         print(f"{family}: " + ", ".join(f"{k} = {v:.4g}" for k, v in values.items()))
+    if args.cases:
+        print(f"{'cluster':22} {'collective':15} {'group':>5} {'x':>3} {'held-out':>9} {'bias':>7}")
+        for c in result["cases"]:
+            print(
+                f"{c['cluster']:22} {c['collective']:15} {c['group_size']:5d} "
+                f"{c['n_groups']:3d} {c['mape_pct_heldout']:9.2f} {c['bias_pct_heldout']:+7.2f}"
+            )
 
 
 if __name__ == "__main__":

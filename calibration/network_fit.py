@@ -1,12 +1,13 @@
 """Fit the constants only the graph path uses (``diffcost.network.cost``) to collective tables.
 
 ``calibration.fit`` fits every constant ``diffcost.comm`` uses; the in-switch reduction's
-constants (``SWITCH_CONSTANTS``: NVLink SHARP's efficiency and its fixed cost per call) enter
-only the graph path, so the joint fit leaves them at their prior. This fits them per GPU family
-(they are device constants) on tables priced on the graph, with everything else held at the
-clusters' profiles: the same robust penalty on ``log(predicted / measured)`` as the joint fit
-(Huber turning into Cauchy, ``FitConfig.redescend``) plus the same Gaussian prior around the
-datasheet defaults (``Constant.prior_sd``, ``FitConfig.prior_weight``), by Adam.
+constants (``SWITCH_CONSTANTS``: NVLink SHARP's efficiency as a share of the cluster's
+``nvlink_eff`` and its fixed cost per call) enter only the graph path, so the joint fit leaves
+them at their prior. This fits them per GPU family (they are device constants) on tables priced
+on the graph, with everything else held at the clusters' profiles: the same robust penalty on
+``log(predicted / measured)`` as the joint fit (Huber turning into Cauchy,
+``FitConfig.redescend``) plus the same Gaussian prior around the datasheet defaults
+(``Constant.prior_sd``, ``FitConfig.prior_weight``), by Adam.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import optax
 from calibration.fit import FitConfig, robust_penalty
 from diffcost.params import CONSTANT, Params, raw_default
 
-SWITCH_CONSTANTS = ("nvls_eff", "nvls_latency_s")
+SWITCH_CONSTANTS = ("nvls_ratio", "nvls_latency_s")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -107,13 +107,17 @@ class Constant:
 
 
 # NVLink SHARP (in-switch reduction, ``diffcost.network.cost``'s ``nvls``) reaches
-# ``nvls_eff`` of the NVLink per-direction rate: no published figure separates it from the
-# ring's, so its default and width are ``nvlink_eff``'s. Its fixed cost per call,
-# ``nvls_latency_s``, defaults to NCCL's own tuning model (src/graph/tuning.cc: hwLat for NVLS
-# over NVLink, Simple protocol, 25 us; the ring's is 3.4 us per step). Both are device
-# constants (the NVSwitch generation comes with the GPU family). ``diffcost.comm`` does not use
-# them (the graph path and ``calibration.network_fit`` do), so the joint fit leaves them at
-# their prior.
+# ``nvls_ratio`` times the cluster's ``nvlink_eff`` of the NVLink per-direction rate: what a
+# system's software reaches on NVLink (protocol overhead, library version, runtime) scales both,
+# and the switch's reduction is the device's. The default is NVIDIA's two figures for 8 H100:
+# ring bus bandwidth 370 GB/s of the 450 GB/s line rate (0.82; NVIDIA/nccl#1442,
+# NVIDIA/nccl-tests#212) and NVLS all-reduce algorithm bandwidth ~275 GB/s (bus bandwidth
+# ~480 GB/s, nccl-tests#212), which crosses each link (n + 1)/n = 9/8 of it: 309 GB/s, 0.69
+# of the line rate, so 0.69 / 0.82 = 0.83. Its fixed cost per call, ``nvls_latency_s``,
+# defaults to NCCL's own tuning model (src/graph/tuning.cc: hwLat for NVLS over NVLink, Simple
+# protocol, 25 us; the ring's is 3.4 us per step). Both are device constants (the NVSwitch
+# generation comes with the GPU family). ``diffcost.comm`` does not use them (the graph path and
+# ``calibration.network_fit`` do), so the joint fit leaves them at their prior.
 # Datasheet-style defaults, constrained values. Sources: NVIDIA's published large-GEMM
 # throughput (~75-85% of dense peak for bf16 on A100/H100), nccl-tests bus bandwidth on
 # DGX systems (~80% of NVLink per-direction peak), Adam in mixed precision (fp32 master
@@ -207,8 +211,8 @@ CONSTANTS = (
        "per-iteration overhead", "ms", 1e3),
     _C("microbatch_overhead_s", "microbatch_overhead_log_s", "log", 1e-3, 1.0, "cluster",
        "per-microbatch overhead", "ms", 1e3),
-    _C("nvls_eff", "nvls_eff_logit", "logit", 0.80, 0.7, "device",
-       "NVLink SHARP efficiency", "%", 100.0),
+    _C("nvls_ratio", "nvls_ratio_logit", "logit", 0.83, 0.7, "device",
+       "NVLink SHARP efficiency over NVLink efficiency", "%", 100.0),
     _C("nvls_latency_s", "nvls_latency_log_s", "log", 25e-6, 1.0, "device",
        "NVLink SHARP latency", "µs", 1e6),
     _C("gemm_shape_eff", "gemm_shape_log_eff", "log", None, 0.3, "device",

@@ -30,7 +30,8 @@ def test_nvls_on_one_node_is_its_closed_form(collective, switches):
     got = cost.collective_time_s(pricing, msg, topo.capacity_Bps, params, temperature=0.0)
     present = msg / (msg + 1.0)
     step = msg + float(params.half_bw_bytes) * present
-    band = max(SHARES[collective]) * step / (bw * float(params.nvls_eff))
+    eff = float(params.nvls_ratio) * float(params.nvlink_eff)  # relative to the ring's
+    band = max(SHARES[collective]) * step / (bw * eff)
     passes = 2 if collective == "all_reduce" else 1  # each up and down one GPU-switch hop
     latency = passes * 2 * lat * float(params.nvlink_latency_scale) * present
     fixed = (float(params.nvls_latency_s) + float(params.collective_overhead_s)) * present
@@ -86,7 +87,7 @@ def test_nvls_gradients_are_finite_and_reach_its_constants():
     g_params, g_cap = jax.grad(time, argnums=(0, 1))(params, cap)
     for leaf in jax.tree_util.tree_leaves(g_params) + [g_cap]:
         assert np.all(np.isfinite(np.asarray(leaf)))
-    assert float(g_params.nvls_eff_logit) < 0.0  # a faster switch shortens the large message
+    assert float(g_params.nvls_ratio_logit) < 0.0  # a faster switch shortens the large message
     assert float(g_params.nvls_latency_log_s) > 0.0
     assert float(g_params.reduce_log_Bps) == pytest.approx(0.0, abs=1e-12)  # NVLS chosen
 
@@ -100,10 +101,10 @@ def test_fit_recovers_known_switch_constants():
     )
     params = default_params(jnp.float64)
     truth = params.replace(
-        nvls_eff_logit=jnp.log(0.6 / 0.4), nvls_latency_log_s=jnp.log(jnp.asarray(15e-6))
+        nvls_ratio_logit=jnp.log(0.6 / 0.4), nvls_latency_log_s=jnp.log(jnp.asarray(15e-6))
     )
     sizes = 2.0 ** np.arange(14, 34)
     table = PricedTable("t", "h100", price, sizes, np.asarray(price(truth, sizes)), params)
     fitted = fit_switch_constants([table], steps=400)["h100"]
-    assert fitted["nvls_eff"] == pytest.approx(0.6, rel=0.02)
+    assert fitted["nvls_ratio"] == pytest.approx(0.6, rel=0.02)
     assert fitted["nvls_latency_s"] == pytest.approx(15e-6, rel=0.05)

@@ -20,8 +20,8 @@ the link capacities and the calibrated ``Params``) prices them:
   ``diffcost.comm.collective_s`` does;
 * ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
   reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
-  receives the result (``nvls_phases``), over its NVLink links at ``nvls_eff`` instead of
-  ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call.
+  receives the result (``nvls_phases``), over its NVLink links at ``nvls_ratio * nvlink_eff``
+  instead of ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call.
 
 Rings run as NCCL's channels do (``ring_channels``): behind a switch or on a full mesh the
 ``n - 1`` rotations (every pair once), on direct GPU links of one bandwidth a packing of
@@ -437,9 +437,10 @@ def _algorithm_s(
 
 def _effective_links(pricing: CollectivePricing, capacity_Bps, params: Params, in_switch=0.0):
     """Capacities times their class's efficiency and latencies times its scale, on the
-    pricing's links; NVLink links run at ``nvls_eff`` for an algorithm ``in_switch``."""
+    pricing's links; NVLink links run at ``nvls_ratio * nvlink_eff`` for an algorithm
+    ``in_switch``."""
     fast = pricing.nvlink
-    nvlink_eff = params.nvlink_eff + in_switch * (params.nvls_eff - params.nvlink_eff)
+    nvlink_eff = params.nvlink_eff * (1.0 + in_switch * (params.nvls_ratio - 1.0))
     eff = fast * nvlink_eff + (1.0 - fast) * params.nic_eff
     capacity = jnp.take(jnp.asarray(capacity_Bps), pricing.links) * eff
     scale = fast * params.nvlink_latency_scale + (1.0 - fast) * params.nic_latency_scale
