@@ -97,6 +97,7 @@ def random_overrides(rng: np.random.Generator, n_gpus: int, experts: bool) -> li
         f"plan.tp={tp}",
         f"plan.pp={pp}",
         f"plan.dp={dp}",
+        "plan.cp=1",
         f"plan.zero={zero}",
         f"plan.sequence_parallel={'true' if tp > 1 and rng.random() < 0.5 else 'false'}",
         f"plan.order=[{','.join(order)}]",
