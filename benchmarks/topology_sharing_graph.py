@@ -1,10 +1,12 @@
 """The network path's link sharing against the exact, event-driven reference on the graph.
 
     python benchmarks/topology_sharing_graph.py [--quick] [--json] [--update JSON]
+    python benchmarks/topology_sharing_graph.py --iteration
 
 For every example config (``configs/examples``, given ``topology: cluster``: the graph its
-cluster describes) and a corpus of random jobs on random graphs (``diffcost.sharing_jobs``,
-50; ``--quick``: 10), ``diffcost.reference_network.compare`` prices a layer's gradient bucket
+cluster describes; and the jobs of ``configs/designs`` on their topologies) and a corpus of
+random jobs on random graphs (``diffcost.sharing_jobs``, 50; ``--quick``: 10),
+``diffcost.reference_network.compare`` prices a layer's gradient bucket
 shared with the next layer's tensor-parallel collectives and a pipeline send both ways: the
 smooth in-program model (one flow per collective on each tier's busiest link) and the exact
 reference (every flow routed on the graph, max-min fair, event-driven). Figures, in % of the
@@ -15,7 +17,10 @@ bucket alone: the sum of its dimensions' busiest links); ``corpus_smoothing_max_
 smooth sharing against the exact sharing of its own tier rows (the smoothing alone, without
 the tier abstraction). ``benchmarks/topology.py`` puts them in its ``sharing`` section under
 ``graph``; ``--update benchmarks/results/topology.json`` writes them there alone (the other
-figures of that file kept), without the full benchmark.
+figures of that file kept), without the full benchmark. ``--iteration`` prints, per example,
+the iteration time the smooth model predicts (``simulate``), ``reference.simulate_reference``
+on the stage times with the exact delay and with the smooth one (``compare_job``; slow: it
+compiles ``simulate`` per example).
 """
 
 from __future__ import annotations
@@ -34,21 +39,36 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffcost import api, reference_network, sharing_jobs  # noqa: E402
-from diffcost.network.attach import job_topology  # noqa: E402
+from diffcost import reference_network, sharing_jobs  # noqa: E402
 from diffcost.network.tables import job_graph  # noqa: E402
 
-EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml")) + sorted(
+    (ROOT / "configs" / "designs").glob("*.yaml")
+)
 TARGET_PCT = 1.0  # benchmarks/topology.py's sharing target
+
+
+_example = reference_network.example_job
 
 
 def example_comparison(path: Path) -> reference_network.SharingComparison:
     """``compare`` for one example config on the graph its cluster describes."""
-    exp = api.load(path, ["cluster.topology=cluster"])
-    model, plan, cluster = api.experiment_arrays(exp)
-    n = exp.plan.n_gpus
-    graph = job_graph(job_topology(exp.cluster, n), n)
-    return reference_network.compare(graph, n, model, plan, cluster.network, api.params_for(exp)[0])
+    model, plan, cluster, params, topology, n = _example(path)
+    graph = job_graph(topology, n)
+    return reference_network.compare(graph, n, model, plan, cluster.network, params)
+
+
+def print_iterations() -> None:
+    """Per example: the smooth prediction against the reference with the exact delay."""
+    for path in EXAMPLES:
+        _, it = reference_network.compare_job(*_example(path))
+        ref, smooth_s = it["reference_s"], it["smooth_s"]
+        print(
+            f"{path.stem:32s} smooth {smooth_s:.6f} s, reference (exact delay) {ref:.6f} s "
+            f"({100 * (smooth_s / ref - 1):+.4f}%), reference (smooth delay) "
+            f"{it['reference_smooth_delay_s']:.6f} s",
+            flush=True,
+        )
 
 
 def job_comparison(job: sharing_jobs.Job) -> reference_network.SharingComparison:
@@ -109,7 +129,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="10 random jobs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--update", help="a topology.py JSON whose sharing.graph to replace")
+    parser.add_argument("--iteration", action="store_true", help="the iteration per example")
     args = parser.parse_args(argv)
+    if args.iteration:
+        print_iterations()
+        return 0
     g = measure(args.quick)
     print(json.dumps(g, indent=2)) if args.json else print_graph(g)
     if args.update:

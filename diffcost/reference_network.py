@@ -30,18 +30,29 @@ them with the smooth in-program prediction; ``docs/network.md`` quotes the figur
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 
-from diffcost import sharing, smooth, stages, workload
+from diffcost import api, sharing, smooth, stages, workload
 from diffcost.api import simulate_jit
+from diffcost.network import design_config
 from diffcost.network import model as netmodel
+from diffcost.network.attach import job_topology
 from diffcost.network.graph import Topology
 from diffcost.network.loads import incidence_entries
-from diffcost.network.tables import SLOTS, TIERS, groups_of, job_graph, link_tiers, slot_flows
+from diffcost.network.tables import (
+    SLOTS,
+    TIERS,
+    build_tables,
+    groups_of,
+    job_graph,
+    link_tiers,
+    slot_flows,
+)
 from diffcost.reference import simulate_reference
 
 ROWS = ("bucket", "tp", "send")  # the order of stages.shared_traffic
@@ -287,3 +298,20 @@ def compare_job(model, plan, cluster, params, topology: Topology, n_gpus: int):
         "reference_smooth_delay_s": simulate_reference(smooth_delay).iteration_s,
     }
     return c, iteration
+
+
+def example_job(path):
+    """``(model, plan, cluster, params, topology, n_gpus)`` of an example config on the graph
+    its cluster describes (``topology: cluster``), or of a design config's job
+    (``configs/designs``) on its topology; ``cluster.network`` holds the job's tables."""
+    path = Path(path)
+    if path.parent.name == "designs":
+        spec = design_config.load_design(path)
+        exp, topology = spec.experiment, spec.topology
+        model, plan, cluster = api.experiment_arrays(exp)
+        cluster = cluster.replace(network=build_tables(topology, exp.plan.n_gpus))
+    else:
+        exp = api.load(path, ["cluster.topology=cluster"])
+        model, plan, cluster = api.experiment_arrays(exp)
+        topology = job_topology(exp.cluster, exp.plan.n_gpus)
+    return model, plan, cluster, api.params_for(exp)[0], topology, exp.plan.n_gpus

@@ -21,23 +21,19 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
 
-from diffcost import api, reference_network, sharing_cases, sharing_jobs  # noqa: E402
+from diffcost import reference_network, sharing_cases, sharing_jobs  # noqa: E402
 from diffcost import sharing_reference as exact_sharing  # noqa: E402
-from diffcost.network.attach import job_topology  # noqa: E402
 from diffcost.network.load import load_topology  # noqa: E402
 from diffcost.network.loads import incidence_entries  # noqa: E402
 from diffcost.network.routing import route  # noqa: E402
 from diffcost.network.tables import job_graph  # noqa: E402
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "configs" / "examples").glob("*.yaml"))
+DESIGNS = sorted((Path(__file__).resolve().parent.parent / "configs" / "designs").glob("*.yaml"))
 TARGET = 0.01  # the smooth bucket time within 1% of the exact one
 
 
-def _example(path):
-    exp = api.load(path, ["cluster.topology=cluster"])
-    model, plan, cluster = api.experiment_arrays(exp)
-    n = exp.plan.n_gpus
-    return model, plan, cluster, api.params_for(exp)[0], job_topology(exp.cluster, n), n
+_example = reference_network.example_job
 
 
 @pytest.mark.parametrize("name", ["dgx1-cube-mesh", "tree-4x2", "leaf-spine-2to1"])
@@ -62,7 +58,9 @@ def test_sparse_schedule_equals_sharing_reference():
         np.testing.assert_allclose(got, want, rtol=1e-9, err_msg=case.name)
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.parametrize(
+    "path", EXAMPLES + DESIGNS[:1], ids=[p.stem for p in EXAMPLES + DESIGNS[:1]]
+)
 def test_examples_match_the_exact_reference(path):
     model, plan, cluster, params, topology, n = _example(path)
     c = reference_network.compare(job_graph(topology, n), n, model, plan, cluster.network, params)
