@@ -195,7 +195,9 @@ def _comm_times(t: list, ep_all_to_all_s, p2p_s) -> CommTimes:
     )
 
 
-def comm_times(work: LayerWork, model, plan, groups, cluster, params, temperature):
+def comm_times(
+    work: LayerWork, model, plan, groups, cluster, params, temperature, shared_delay_s=None
+):
     """``CommTimes`` of one iteration: each collective on its group's shared ``GroupLinks``,
     or on the cluster's topology graph when it has one (``network_comm_times``).
 
@@ -204,13 +206,16 @@ def comm_times(work: LayerWork, model, plan, groups, cluster, params, temperatur
         model, plan, cluster, params: array pytrees of one configuration.
         groups: ``place_groups(plan, cluster, params, temperature)`` (None with a topology).
         temperature: relative softness (static).
+        shared_delay_s: as ``network_comm_times``'s.
 
     Returns:
         A ``CommTimes``.
     """
     requests = _requests(work, model, plan)
     if cluster.network is not None:
-        return network_comm_times(requests, work, plan, cluster.network, params, temperature)
+        return network_comm_times(
+            requests, work, plan, cluster.network, params, temperature, shared_delay_s
+        )
     t = comm.collectives_s(
         [(name, msg, getattr(groups, dim)) for name, msg, dim in requests], params, temperature
     )
@@ -236,15 +241,50 @@ def _dims(plan: PlanArrays) -> dict:
     }
 
 
-def network_comm_times(requests, work, plan, tables, params, temperature) -> CommTimes:
+def shared_traffic(work: LayerWork, plan: PlanArrays) -> dict:
+    """The collectives that run at the same time under a layer's backward, and share links:
+    ``{"bucket" | "tp" | "send": [(dimension, items)]}``, items ``(collective, msg_bytes,
+    count)`` as ``network.model.traffic_row`` takes them. The bucket is a layer's gradient sync
+    (ZeRO-0/1/2) or its ZeRO-3 gathers and scatters, dense and expert; "tp" the next layer's
+    tensor-parallel collectives; "send" a pipeline send."""
+    zero, sp = plan.zero, plan.sp
+
+    def sync(trained, weights):
+        return [
+            ("all_reduce", trained * grad_bytes(plan), zero[0]),
+            ("reduce_scatter", trained * grad_bytes(plan), zero[1] + zero[2]),
+            ("all_gather", weights * WEIGHT_BYTES, zero[3]),
+            ("reduce_scatter", trained * FSDP_GRAD_BYTES, zero[3]),
+        ]
+
+    tp = [
+        ("all_gather", work.tp_msg_bytes, 2.0 * sp),
+        ("reduce_scatter", work.tp_msg_bytes, 2.0 * sp),
+        ("all_reduce", work.tp_msg_bytes, 2.0 * (1.0 - sp)),
+    ]
+    return {
+        "bucket": [
+            ("dp", sync(work.trained_params, work.dense_params)),
+            ("edp", sync(work.trained_expert_params, work.expert_params)),
+        ],
+        "tp": [("tp", tp)],
+        "send": [("pp", [("send", work.p2p_msg_bytes, 1.0)])],
+    }
+
+
+def network_comm_times(
+    requests, work, plan, tables, params, temperature, shared_delay_s=None
+) -> CommTimes:
     """``CommTimes`` priced on a topology's ``NetworkTables`` (``diffcost.network.model``).
 
     With ``tables.contention``, the collectives the execution graph runs at the same time
-    share the tiers max-min fairly: a layer's gradient bucket (ZeRO-0/1/2; ZeRO-3: the layer's
-    parameter gathers and gradient scatters) runs under the next layer's backward, with its
-    tensor-parallel collectives and a pipeline send; its delay is added to the bucket (and to
-    the ZeRO-3 gathers). The delays of the tensor-parallel collectives and the send, which
-    the bucket slows in one microbatch of many, are not added.
+    (``shared_traffic``) share the tiers max-min fairly: a layer's gradient bucket (ZeRO-0/1/2;
+    ZeRO-3: the layer's parameter gathers and gradient scatters) runs under the next layer's
+    backward, with its tensor-parallel collectives and a pipeline send; its delay is added to
+    the bucket (and to the ZeRO-3 gathers). The delays of the tensor-parallel collectives and
+    the send, which the bucket slows in one microbatch of many, are not added.
+    ``shared_delay_s``, when given, is the bucket's delay in place of the smooth sharing's
+    (``diffcost.reference_network`` passes the exact one).
     """
     dims = _dims(plan)
     prices = netmodel.priced(tables, params, temperature)
@@ -257,33 +297,22 @@ def network_comm_times(requests, work, plan, tables, params, temperature) -> Com
     comms = _comm_times(t, a2a_s, p2p_s)
     if not tables.contention:
         return comms
-    zero, sp = plan.zero, plan.sp
+    if shared_delay_s is None:
 
-    def row(dim, items):
-        load = netmodel.group_load(tables, *dims[dim])
-        return netmodel.traffic_row(items, groups[dim], load, params, temperature)
+        def row(parts):
+            return sum(
+                netmodel.traffic_row(
+                    items, groups[d], netmodel.group_load(tables, *dims[d]), params, temperature
+                )
+                for d, items in parts
+            )
 
-    def sync(trained, weights):  # a layer's gradient sync, or its ZeRO-3 gathers and scatters
-        return [
-            ("all_reduce", trained * grad_bytes(plan), zero[0]),
-            ("reduce_scatter", trained * grad_bytes(plan), zero[1] + zero[2]),
-            ("all_gather", weights * WEIGHT_BYTES, zero[3]),
-            ("reduce_scatter", trained * FSDP_GRAD_BYTES, zero[3]),
-        ]
-
-    bucket = row("dp", sync(work.trained_params, work.dense_params))
-    bucket = bucket + row("edp", sync(work.trained_expert_params, work.expert_params))
-    tp = [
-        ("all_gather", work.tp_msg_bytes, 2.0 * sp),
-        ("reduce_scatter", work.tp_msg_bytes, 2.0 * sp),
-    ]
-    tp = row("tp", tp + [("all_reduce", work.tp_msg_bytes, 2.0 * (1.0 - sp))])
-    send = row("pp", [("send", work.p2p_msg_bytes, 1.0)])
-    delay = netmodel.shared_delays_s([bucket, tp, send], prices.capacity)[0]
+        rows = [row(parts) for parts in shared_traffic(work, plan).values()]
+        shared_delay_s = netmodel.shared_delays_s(rows, prices.capacity)[0]
     return comms.replace(
-        all_reduce_s=comms.all_reduce_s.at[0].add(delay),
-        reduce_scatter_s=comms.reduce_scatter_s.at[0].add(delay),
-        zero3_gather_s=comms.zero3_gather_s + delay,
+        all_reduce_s=comms.all_reduce_s.at[0].add(shared_delay_s),
+        reduce_scatter_s=comms.reduce_scatter_s.at[0].add(shared_delay_s),
+        zero3_gather_s=comms.zero3_gather_s + shared_delay_s,
     )
 
 
@@ -459,7 +488,9 @@ def optimizer_step_s(work: LayerWork, model, plan, cluster, params: Params):
     return kernels.memory_bound_s(local_params * params.optimizer_bytes_per_param, cluster, params)
 
 
-def stage_times(model, plan, cluster, params, temperature, grid=None, work=None) -> StageTimes:
+def stage_times(
+    model, plan, cluster, params, temperature, grid=None, work=None, shared_delay_s=None
+) -> StageTimes:
     """Per-stage, per-microbatch times and the units of the pipeline and DP schedule.
 
     Args:
@@ -467,6 +498,8 @@ def stage_times(model, plan, cluster, params, temperature, grid=None, work=None)
         temperature: relative softness of every max/min (static).
         grid: shared GEMM shape grids, as in ``simulate``.
         work: ``workload.layer_work(model, plan)``, computed here when not given.
+        shared_delay_s: on a topology with contention, the gradient bucket's delay from
+            sharing links (``network_comm_times``); the smooth sharing's if None.
 
     Returns:
         A ``StageTimes``.
@@ -474,7 +507,7 @@ def stage_times(model, plan, cluster, params, temperature, grid=None, work=None)
     work = workload.layer_work(model, plan) if work is None else work
     network = cluster.network is not None
     groups = None if network else place_groups(plan, cluster, params, temperature)
-    comms = comm_times(work, model, plan, groups, cluster, params, temperature)
+    comms = comm_times(work, model, plan, groups, cluster, params, temperature, shared_delay_s)
     kernel = kernels.kernel_times(work, model, cluster, params, temperature, grid)
     layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature)
     fwd, bwd, parts = stage_s(layer_parts, kernel, comms, work, model, plan, cluster, params)

@@ -46,6 +46,57 @@ def _next_links(topology: Topology):
     return _NEXT.get(topology.fingerprint, make)
 
 
+def _hops(topology: Topology, src: np.ndarray, dst: np.ndarray):
+    """Yield ``(flow, link, share)`` per hop: the share of each flow that crosses each link on
+    its least-cost paths (ECMP splits), all flows at once.
+
+    Raises:
+        ValueError: a destination some source cannot reach.
+    """
+    starts, next_link, next_share, hops = _next_links(topology)
+    dist = distances(topology)
+    n = topology.n_nodes
+    sources = topology.endpoints[src]
+    if not np.isfinite(dist[dst, sources]).all():
+        bad = int(np.flatnonzero(~np.isfinite(dist[dst, sources]))[0])
+        raise ValueError(f"{topology.name}: endpoint {dst[bad]} cannot be reached from {src[bad]}")
+    live = src != dst
+    flow, node, share = np.flatnonzero(live), sources[live], np.ones(int(live.sum()))
+    for _ in range(hops):
+        if not len(flow):
+            break
+        key = dst[flow] * n + node
+        count = starts[key + 1] - starts[key]
+        entry = np.repeat(np.arange(len(flow)), count)
+        offset = np.arange(len(entry)) - np.repeat(np.cumsum(count) - count, count)
+        pos = starts[key][entry] + offset
+        link, moved, owner = next_link[pos], share[entry] * next_share[pos], flow[entry]
+        yield owner, link, moved
+        arrived = topology.dst[link] == topology.endpoints[dst[owner]]
+        merged, inverse = np.unique(owner[~arrived] * n + topology.dst[link[~arrived]],
+                                    return_inverse=True)  # fmt: skip
+        share = np.bincount(inverse.ravel(), weights=moved[~arrived], minlength=len(merged))
+        flow, node = merged // n, merged % n
+
+
+def incidence_entries(topology: Topology, src, dst):
+    """The sparse incidence of flows: ``(flow, link, fraction)`` arrays, one entry per link a
+    flow crosses (``routing.route``'s nonzero entries, on the same ECMP paths).
+
+    Args:
+        topology: the graph.
+        src, dst: ``[flows]`` endpoint indices; a flow to itself crosses nothing.
+
+    Raises:
+        ValueError: a destination some source cannot reach.
+    """
+    src, dst = np.asarray(src, dtype=int).ravel(), np.asarray(dst, dtype=int).ravel()
+    parts = list(_hops(topology, src, dst))
+    if not parts:
+        return np.zeros(0, int), np.zeros(0, int), np.zeros(0)
+    return tuple(np.concatenate(x) for x in zip(*parts))
+
+
 def link_loads(topology: Topology, src, dst, weight, link_latency_s=None):
     """Summed link loads of weighted flows, and each flow's mean path latency.
 
@@ -67,32 +118,10 @@ def link_loads(topology: Topology, src, dst, weight, link_latency_s=None):
     weight = np.broadcast_to(np.asarray(weight, dtype=float), src.shape)
     latency = topology.latency_s if link_latency_s is None else np.asarray(link_latency_s)
     rows = np.atleast_2d(latency)
-    starts, next_link, next_share, hops = _next_links(topology)
-    dist = distances(topology)
-    n = topology.n_nodes
-    sources = topology.endpoints[src]
-    if not np.isfinite(dist[dst, sources]).all():
-        bad = int(np.flatnonzero(~np.isfinite(dist[dst, sources]))[0])
-        raise ValueError(f"{topology.name}: endpoint {dst[bad]} cannot be reached from {src[bad]}")
     load = np.zeros(topology.n_links)
     paths = np.zeros((len(src), len(rows)))
-    live = src != dst
-    flow, node, share = np.flatnonzero(live), sources[live], np.ones(int(live.sum()))
-    for _ in range(hops):
-        if not len(flow):
-            break
-        key = dst[flow] * n + node
-        count = starts[key + 1] - starts[key]
-        entry = np.repeat(np.arange(len(flow)), count)
-        offset = np.arange(len(entry)) - np.repeat(np.cumsum(count) - count, count)
-        pos = starts[key][entry] + offset
-        link, moved, owner = next_link[pos], share[entry] * next_share[pos], flow[entry]
+    for owner, link, moved in _hops(topology, src, dst):
         load += np.bincount(link, weights=moved * weight[owner], minlength=topology.n_links)
         for k, lat in enumerate(rows):
             paths[:, k] += np.bincount(owner, weights=moved * lat[link], minlength=len(src))
-        arrived = topology.dst[link] == topology.endpoints[dst[owner]]
-        merged, inverse = np.unique(owner[~arrived] * n + topology.dst[link[~arrived]],
-                                    return_inverse=True)  # fmt: skip
-        share = np.bincount(inverse.ravel(), weights=moved[~arrived], minlength=len(merged))
-        flow, node = merged // n, merged % n
     return load, (paths if np.ndim(latency) == 2 else paths[:, 0])

@@ -180,6 +180,22 @@ _PHASES = {
 }
 
 
+def slot_flows(topology: Topology, groups: np.ndarray, slot: str):
+    """``(src, dst, bytes per buffer byte)`` of every flow of algorithm ``slot`` (a name in
+    ``SLOTS``) over ``groups`` (``[groups, size]`` ranks), its phases together (they stream);
+    None where the placement cannot run it. The flows whose loads the tables sum."""
+    phases = _PHASES[slot](topology, groups)
+    if phases is None:
+        return None
+    return tuple(np.concatenate(x) for x in zip(*[p[:3] for p in phases]))
+
+
+def job_graph(topology: Topology, n_gpus: int) -> Topology:
+    """The graph the tables route a job of ``n_gpus`` ranks on: endpoints beyond the job
+    relay nothing."""
+    return without_transit(topology, topology.endpoints[n_gpus:])
+
+
 def _slot(topology, tiers, reference, nvlink, groups, name):
     """``([tiers] load, [2] latency)`` of one slot over ``groups`` (None: cannot run)."""
     phases = _PHASES[name](topology, groups)
@@ -200,8 +216,7 @@ def _slot(topology, tiers, reference, nvlink, groups, name):
 
 
 def _build(topology: Topology, n_gpus: int) -> NetworkTables:
-    idle = topology.endpoints[n_gpus:]
-    graph = without_transit(topology, idle)
+    graph = job_graph(topology, n_gpus)
     tiers = link_tiers(graph)
     reference = np.ones(len(TIERS))
     np.maximum.at(reference, tiers, graph.capacity_Bps)
