@@ -33,6 +33,10 @@ Each figure is one section, computed by its own function in ``SECTIONS``; the JS
   fairly event by event (``diffcost.reference_network``), on every example config
   (``topology: cluster``; ``examples``: {name: error %}) and on random jobs on random graphs
   (``diffcost.sharing_jobs``, 50; ``--quick``: 10). Target: <= 1% on both.
+  ``few_flows_*``: ``sharing.few_flows_completion_s``, the three-flow sharing of the
+  cost model's network path, on ``sharing_cases.few_flow_sets`` (300 sets; ``--quick``: 100):
+  the largest relative error of a completion in float64 and float32, and the warm time per
+  set (target <= 1%).
 * ``design``: ``diffcost design`` on ``DESIGN_EXAMPLE`` (``network.design_config.run_design``,
   float64; ``--quick``: 30 steps): ``example``; ``before_s`` and ``after_s``, the iteration
   time on the built network and at the best design (collectives priced on the graph);
@@ -74,7 +78,7 @@ from diffcost.network import design_config  # noqa: E402
 
 DESIGN_EXAMPLE = ROOT / "configs" / "designs" / "mixtral-leaf-spine.yaml"
 
-TARGETS = {"sharing": {"max_err_pct": 1.0}}
+TARGETS = {"sharing": {"max_err_pct": 1.0, "few_flows_max_err_pct": 1.0}}
 
 
 def _median_s(fn, repeats: int, inner: int = 1) -> float:
@@ -107,6 +111,21 @@ def _speed_by_size(flows: int, dtype, batch: int = 128) -> float:
     fn = jax.jit(jax.vmap(sharing.completion_times_s))
     jax.block_until_ready(fn(*args))
     return 1e6 * _median_s(lambda: fn(*args), 5) / batch
+
+
+def _few_flows_figures(quick: bool) -> dict:
+    """``sharing.few_flows_completion_s`` (what ``shared_delays_s`` runs) against the exact
+    reference on ``sharing_cases.few_flow_sets``, float64 and float32, and its warm time per
+    set ``jit(vmap)`` over the sets (float32)."""
+    rows, capacity = sharing_cases.few_flow_sets(100 if quick else 300, seed=0)
+    fn = jax.jit(jax.vmap(sharing.few_flows_completion_s))
+    out = {"few_flows_sets": len(rows)}
+    for suffix, dtype in (("", jnp.float64), ("_float32", jnp.float32)):
+        args = (jnp.asarray(rows, dtype=dtype), jnp.asarray(capacity, dtype=dtype))
+        errs = sharing_cases.few_flow_errors(np.asarray(fn(*args), float), rows, capacity)
+        out[f"few_flows_max_err_pct{suffix}"] = 100 * float(errs.max())
+    out["few_flows_us_per_set"] = 1e6 * _median_s(lambda: fn(*args), 5) / len(rows)
+    return out
 
 
 def sharing_section(quick: bool) -> dict:
@@ -153,6 +172,7 @@ def sharing_section(quick: bool) -> dict:
         },
         "temperature": sharing.DEFAULT_TEMPERATURE,
         "graph": topology_sharing_graph.measure(quick),
+        **_few_flows_figures(quick),
     }
 
 
@@ -222,6 +242,11 @@ def _print_sharing(s: dict) -> None:
     for name, by_flows in s["us_per_case_by_flows"].items():
         cells = ", ".join(f"{f} flows {us:.1f} us" for f, us in by_flows.items())
         print(f"  {name}, jit(vmap) over 128 random sets of n flows x 2n links: {cells}")
+    print(
+        f"  three flows on three tiers (few_flows_completion_s, {s['few_flows_sets']} sets): "
+        f"max {s['few_flows_max_err_pct']:.4f}% (float32 "
+        f"{s['few_flows_max_err_pct_float32']:.4f}%), {s['few_flows_us_per_set']:.2f} us per set"
+    )
     topology_sharing_graph.print_graph(s["graph"])
 
 

@@ -50,7 +50,13 @@ the slack. ``benchmarks/topology.py`` measures the error against the exact, even
 reference (``diffcost.sharing_reference``) on a random corpus; ``docs/sharing.md`` quotes it.
 
 Everything has fixed shapes (flows x links), so ``jax.vmap`` over a corpus or a sweep works;
-gradients with respect to ``capacity_Bps``, ``flow_bytes`` and ``latency_s`` are finite.
+gradients with respect to ``capacity_Bps``, ``flow_bytes`` and ``latency_s`` are finite, in
+float32 too (the gates divide by their maximum held constant, and ``1 / top`` is not formed
+where it exceeds its cap: a phase with nothing left to run has congestions near 1e-20).
+
+``few_flows_completion_s`` is the same model for a few flows of one unit that start together
+(the three flows the cost model's network path shares per plan), with the phases and rounds
+unrolled and only as many rounds per phase as flows can still run.
 
 References:
     D. Bertsekas and R. Gallager, "Data Networks" (1992), section 6.5.2: max-min fairness and
@@ -76,6 +82,11 @@ CAPACITY_FLOOR = 1e-9
 DONE_FLOOR = 1e-6
 # the cap of the level at a flow's alone rate is sharper than the gates
 CAP_TEMPERATURE = 1e-6
+# ``_capped_inverse`` forms ``1 / x`` only below this many times its cap
+INVERSE_RANGE = 10.0
+# ``few_flows_completion_s`` caps levels and phases at this many times the sums of the flows'
+# alone rates and times, which no real level or phase reaches
+FEW_HEADROOM = 2.0
 
 
 def _gate_log_open(x, xstar, temperature):
@@ -83,8 +94,30 @@ def _gate_log_open(x, xstar, temperature):
 
     ``x`` (n,) and ``xstar`` (scalar) are non-negative; where ``xstar`` is zero nothing opens.
     """
-    arg = smooth.safe_div(x - xstar * (1.0 - GATE_SLACK * temperature), temperature * xstar)
-    return jnp.where(xstar > 0, jax.nn.log_sigmoid(-arg), 0.0)
+    on, arg = _gate_arg(x, xstar, temperature)
+    return jnp.where(on, jax.nn.log_sigmoid(-arg), 0.0)
+
+
+def _gate_arg(x, xstar, temperature):
+    """Where ``xstar > 0``, and the gate's argument ``(x / xstar - 1 + slack) / temperature``.
+
+    Both are divided by ``xstar`` held constant first: the quotient's gradient is then formed
+    from numbers near one, not from ``xstar ** 2``, which underflows in float32 where a phase
+    has nothing left to run (``xstar`` ~ 1e-20).
+    """
+    on = xstar > 0
+    scale = jax.lax.stop_gradient(jnp.where(on, xstar, 1.0))
+    ratio = (x / scale) / jnp.where(on, xstar / scale, 1.0)
+    return on, (ratio - (1.0 - GATE_SLACK * temperature)) / temperature
+
+
+def _capped_inverse(x, cap, temperature):
+    """``smin2(1 / x, cap)`` for ``x >= 0``: the cap where ``1 / x`` exceeds ``INVERSE_RANGE``
+    times it (where ``smin2`` gives the cap to rounding), so that neither the value nor the
+    gradient of ``1 / x`` is formed where ``x`` tends to zero (double ``where``)."""
+    ok = x * cap > 1.0 / INVERSE_RANGE
+    inverse = 1.0 / jnp.where(ok, x, 1.0)
+    return jnp.where(ok, smooth.smin2(inverse, cap, temperature), cap)
 
 
 def alone_rate_Bps(incidence: jax.Array, capacity_Bps: jax.Array) -> jax.Array:
@@ -146,10 +179,10 @@ def max_min_rates(
         rem = smooth.clip_exact(capacity_Bps - used, 0.0, capacity_Bps)
         congestion = unfrozen / (rem + CAPACITY_FLOOR * capacity_Bps)
         top = smooth.softmax_mean(congestion, temperature=temperature)
-        level = smooth.safe_div(1.0, top)
+        level = _capped_inverse(top, ceiling, CAP_TEMPERATURE)
         log_open = _gate_log_open(congestion, top, temperature)  # (links,) log(1 - saturated)
         still = active * jnp.exp(jnp.sum(crosses * log_open[None, :], axis=1))
-        frozen_Bps = frozen_Bps + (active - still) * smooth.smin2(level, ceiling, CAP_TEMPERATURE)
+        frozen_Bps = frozen_Bps + (active - still) * level
         return (still, frozen_Bps, level), None
 
     init = (
@@ -158,7 +191,7 @@ def max_min_rates(
         jnp.zeros((), incidence.dtype),
     )
     (active, frozen_Bps, level), _ = jax.lax.scan(fill, init, None, length=rounds)
-    return frozen_Bps + active * smooth.smin2(level, ceiling, CAP_TEMPERATURE)
+    return frozen_Bps + active * level
 
 
 def completion_times_s(
@@ -227,7 +260,7 @@ def completion_times_s(
         until = smooth.clip_exact(start - clock, 0.0, horizon)  # a start's event rate: 1/until
         arrive = waiting / (until + floor)
         top = smooth.softmax_mean(jnp.concatenate([finish, arrive]), temperature=temperature)
-        dt = smooth.smin2(smooth.safe_div(1.0, top), horizon, temperature)
+        dt = _capped_inverse(top, horizon, temperature)
         elapsed = elapsed + (running + waiting) * dt
         sent = sent + (1.0 - waiting) * rates * dt / size  # a waiting flow sends nothing
         keep_running = jnp.exp(_gate_log_open(finish, top, temperature))
@@ -294,3 +327,102 @@ def makespan_s(
         temperature=temperature,
     )
     return group_makespan_s(done, group, n_groups, temperature)
+
+
+def _few_rates(work_s, crosses, running, rounds, cap, temperature):
+    """Max-min fair rates (flow units/s) of a few flows on links of capacity one, by
+    ``rounds`` unrolled water-filling rounds (``few_flows_completion_s``).
+
+    Args:
+        work_s: (flows, links) seconds one unit of each flow takes on each link alone.
+        crosses: (flows, links) bool, the flow crosses the link.
+        running: (flows,) weight of each flow in [0, 1].
+        rounds: static; exact for ``rounds`` running flows.
+        cap: the largest level (numerical: above every real level).
+
+    Returns:
+        (flows,) rates; a flow that does not run gets the level it would join at.
+    """
+    load = work_s * running[:, None]
+    active = jnp.ones_like(running)
+    frozen = jnp.zeros_like(running)
+    for r in range(rounds):
+        unfrozen = jnp.sum(load * active[:, None], axis=0)
+        rem = 1.0 if r == 0 else smooth.clip_exact(1.0 - jnp.sum(load * frozen[:, None], 0), 0, 1)
+        congestion = unfrozen / (rem + CAPACITY_FLOOR)
+        top = smooth.softmax_mean(congestion, temperature=temperature)
+        level = _min_inverse(top, cap)
+        if r == rounds - 1:
+            return frozen + active * level
+        keep = _gate_keep(congestion, top, temperature)  # (links,) 1 - saturated
+        still = active * jnp.prod(jnp.where(crosses, keep[None, :], 1.0), axis=1)
+        frozen = frozen + (active - still) * level
+        active = still
+
+
+def _min_inverse(x, cap):
+    """``min(1 / x, cap)`` for ``x >= 0``, ``cap >= 0``, without forming ``1 / x`` above the cap
+    (double ``where``): finite, with a finite gradient, where ``x`` is 0."""
+    ok = x * cap > 1.0
+    return jnp.where(ok, 1.0 / jnp.where(ok, x, 1.0), cap)
+
+
+def _gate_keep(x, xstar, temperature):
+    """The square of 1 - the gate of ``_gate_log_open``: the same gate, shut to ``exp(-2 *
+    GATE_SLACK)`` at the maximum, so that what it leaves of a frozen or finished flow on a
+    saturated link (over the ``CAPACITY_FLOOR``) stays below the congestion of links 1e4
+    times less loaded."""
+    on, arg = _gate_arg(x, xstar, temperature)
+    return jnp.where(on, jax.nn.sigmoid(-arg) ** 2, 1.0)
+
+
+def few_flows_completion_s(
+    incidence: jax.Array, capacity_Bps: jax.Array, temperature: float = DEFAULT_TEMPERATURE
+) -> jax.Array:
+    """When each of a few flows of one unit that start together finishes, sharing links
+    max-min fairly: ``completion_times_s`` with unit sizes, no latency and no starts,
+    specialised for a handful of flows (``diffcost.network.model.shared_delays_s``: three).
+
+    The phases and rounds are unrolled: phase ``p`` has at most ``flows - p`` flows running and
+    runs that many rounds (``flows (flows + 1) / 2`` rounds in all, against ``flows ** 2`` for
+    ``completion_times_s``), the last round of a phase forms no gates, a flow's share of a link
+    is kept as seconds per unit over a capacity of one, and the levels and phase lengths are
+    capped exactly (``min(1 / top, cap)``, far above every real value) instead of smoothly.
+    The gates, their slack and the smooth maxima are ``completion_times_s``'s, so is the error.
+
+    Args:
+        incidence: (flows, links) bytes one unit of each flow puts on each link, >= 0 (any
+            scale: a zero row is an absent flow).
+        capacity_Bps: (links,) bytes/s, > 0.
+        temperature: relative softness (``DEFAULT_TEMPERATURE``).
+
+    Returns:
+        (flows,) seconds from time 0; 0 for an absent flow.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> rows = jnp.array([[10.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+        >>> t = few_flows_completion_s(rows, jnp.array([10.0, 10.0]))
+        >>> [round(float(x), 3) for x in t]
+        [2.0, 2.0, 1.0]
+    """
+    n = incidence.shape[0]
+    work_s = incidence / capacity_Bps
+    crosses = incidence > 0
+    alone_s = smooth.smooth_max(work_s, axis=-1, temperature=CAP_TEMPERATURE)
+    running = (alone_s > 0).astype(work_s.dtype)
+    # no level exceeds the sum of the alone rates, no phase the sum of the alone times
+    cap = FEW_HEADROOM * jax.lax.stop_gradient(jnp.sum(smooth.safe_div(1.0, alone_s)))
+    horizon = FEW_HEADROOM * jax.lax.stop_gradient(jnp.sum(alone_s))
+    left = jnp.ones_like(running)
+    elapsed = jnp.zeros_like(running)
+    for p in range(n):
+        rates = _few_rates(work_s, crosses, running, n - p, cap, temperature)
+        finish = running * rates / (left + (1.0 - running + DONE_FLOOR) * DONE_FLOOR)
+        top = smooth.softmax_mean(finish, temperature=temperature)
+        dt = _min_inverse(top, horizon)
+        elapsed = elapsed + running * dt
+        if p < n - 1:
+            left = smooth.clip_exact(left - rates * dt, 0.0, 1.0)
+            running = running * _gate_keep(finish, top, temperature)
+    return elapsed

@@ -327,3 +327,48 @@ def relative_errors(case: SharingCase, completion_s, makespan_s) -> np.ndarray:
     got_span = np.asarray(makespan_s, dtype=float)
     flows = np.abs(np.asarray(completion_s, dtype=float) - exact) / np.where(exact > 0, exact, 1.0)
     return np.concatenate([flows, np.abs(got_span[has] - span[has]) / span[has]])
+
+
+def few_flow_sets(n_random: int = 300, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Sets of three flows of one unit on three tiers, as ``network.model.shared_delays_s``
+    shares them (a gradient bucket, a tensor-parallel collective and a pipeline send): the
+    bytes each unit puts on each tier's busiest link, log-uniform in [1e5, 1e9] and present
+    with probability 0.6, on tiers of 150, 25 and 12.5 GB/s; one set in ten without the
+    tensor-parallel flow and one in ten with the send equal to the bucket (a tie); then a few
+    structured sets (three equal flows, flows on disjoint tiers, one flow alone).
+
+    Returns:
+        ``(incidence, capacity_Bps)``: (sets, 3, 3) bytes and (sets, 3) bytes/s.
+    """
+    rng = np.random.default_rng(seed)
+    rows = 10.0 ** rng.uniform(5.0, 9.0, (n_random, 3, 3))
+    rows *= rng.random((n_random, 3, 3)) < 0.6
+    rows[: n_random // 10, 1] = 0.0
+    rows[n_random // 10 : n_random // 5, 2] = rows[n_random // 10 : n_random // 5, 0]
+    structured = np.array(
+        [
+            [[4e8, 0, 0]] * 3,
+            [[3e8, 0, 0], [0, 2e8, 0], [0, 0, 1e7]],
+            [[3e8, 2e8, 5e7], [0, 0, 0], [0, 0, 0]],
+            [[4e8, 1e8, 0], [4e8, 0, 0], [0, 2e7, 1e7]],
+        ]
+    )
+    rows = np.concatenate([rows, structured])
+    return rows, np.tile([150 * GBps, 25 * GBps, 12.5 * GBps], (len(rows), 1))
+
+
+def few_flow_errors(completion_s, incidence, capacity_Bps) -> np.ndarray:
+    """``(sets,)`` the largest |smooth / exact - 1| over the flows of each set of
+    ``few_flow_sets`` (units: one per flow), the exact times from ``sharing_reference``
+    (which takes fractions: every set is divided by its largest entry, the flows' size)."""
+    out = np.zeros(len(incidence))
+    for i, (rows, capacity) in enumerate(zip(incidence, capacity_Bps)):
+        size = rows.max()
+        if size == 0:
+            continue
+        exact = sharing_reference.completion_times_s(
+            rows / size, capacity, np.zeros(len(capacity)), np.full(len(rows), size)
+        )
+        live = exact > 0
+        out[i] = np.max(np.abs(np.asarray(completion_s[i])[live] / exact[live] - 1.0))
+    return out

@@ -116,6 +116,83 @@ def test_shared_delays():
     np.testing.assert_allclose(same, 0.5, rtol=1e-3)
 
 
+# (bucket, tensor-parallel, send) bytes on the (nvlink, nic, leaf_spine) tiers' busiest links
+TIERS_BPS = [1.5e11, 2.5e10, 1.25e10]
+SHARED_ROWS = {
+    "three_tied": [[4e8, 0.0, 0.0]] * 3,
+    "bucket_ties_tp": [[4e8, 1e8, 0.0], [4e8, 0.0, 0.0], [0.0, 2e7, 1e7]],
+    "no_tp": [[3e8, 2e8, 5e7], [0.0, 0.0, 0.0], [0.0, 2e7, 1e7]],
+    "apart": [[3e8, 0.0, 0.0], [0.0, 2e8, 0.0], [0.0, 0.0, 1e7]],
+    "send_finishes_first": [[2e8, 3e8, 1e8], [6e8, 0.0, 0.0], [0.0, 1e6, 1e6]],
+}
+SHARED_GRAD_RTOL = 1e-4  # analytic against central differences (steps 1e-6 of a capacity)
+FLOAT32_GRAD_RTOL = 1e-2  # float32 gradients against float64 ones
+
+
+def _delays_fn(rows):
+    weights = jnp.arange(1.0, 4.0, dtype=rows.dtype)  # one weight per flow
+    return lambda c: weights @ netmodel.shared_delays_s(list(rows), c)
+
+
+def _alone_grad_scale(rows, capacity):
+    """The largest ``|d (bytes / capacity) / d capacity|``: the scale of the gradients, for the
+    absolute tolerance where a delay's gradient is 0 (flows that do not meet)."""
+    return float(np.max(np.asarray(rows, float) / np.asarray(capacity, float) ** 2))
+
+
+@pytest.mark.parametrize("case", sorted(SHARED_ROWS))
+def test_shared_delay_gradients_finite_in_float32(case):
+    rows = jnp.asarray(SHARED_ROWS[case], jnp.float32)
+    capacity = jnp.asarray(TIERS_BPS, jnp.float32)
+    grad = jax.grad(_delays_fn(rows))(capacity)
+    assert grad.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(grad)))
+    exact = np.asarray(jax.grad(_delays_fn(rows.astype(float)))(capacity.astype(float)))
+    scale = _alone_grad_scale(rows, capacity)
+    np.testing.assert_allclose(grad, exact, rtol=FLOAT32_GRAD_RTOL, atol=FLOAT32_GRAD_RTOL * scale)
+    by_rows = jax.grad(lambda r: _delays_fn(r)(capacity))(rows)
+    assert np.all(np.isfinite(np.asarray(by_rows)))
+
+
+@pytest.mark.parametrize("case", sorted(SHARED_ROWS))
+def test_shared_delay_gradients_match_central_differences(case):
+    rows = jnp.asarray(SHARED_ROWS[case])
+    capacity = jnp.asarray(TIERS_BPS)
+    fn = _delays_fn(rows)
+    grad = np.asarray(jax.grad(fn)(capacity))
+    for i in range(len(TIERS_BPS)):
+        step = 1e-6 * TIERS_BPS[i]
+        fd = (float(fn(capacity.at[i].add(step))) - float(fn(capacity.at[i].add(-step)))) / (
+            2 * step
+        )
+        scale = _alone_grad_scale(rows, capacity)
+        assert grad[i] == pytest.approx(fd, rel=SHARED_GRAD_RTOL, abs=SHARED_GRAD_RTOL * scale)
+
+
+def _capacity_grad(arrays):
+    model, plan, cluster, params = arrays
+
+    def time_s(capacity):
+        c = cluster.replace(network=cluster.network.with_capacities(capacity))
+        return simulate(model, plan, c, params).iteration_s
+
+    return np.asarray(jax.grad(time_s)(cluster.network.tier_capacity_Bps))
+
+
+def test_iteration_time_gradients_finite_in_float32():
+    """The sweeps run in float32 (``speed.py``): the iteration time with contention on the
+    cluster's graph keeps finite gradients with respect to every tier's capacity, close to
+    the float64 ones (which ``test_gradients_reach_the_tier_capacities`` checks against
+    central differences)."""
+    arrays = _arrays()
+    to32 = lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    with jax.numpy_dtype_promotion("standard"):
+        grad = _capacity_grad(jax.tree_util.tree_map(to32, arrays))
+    assert grad.dtype == np.float32 and np.all(np.isfinite(grad)) and grad.min() < 0
+    exact = _capacity_grad(arrays)
+    scale = float(np.abs(exact).max())
+    np.testing.assert_allclose(grad, exact, rtol=FLOAT32_GRAD_RTOL, atol=FLOAT32_GRAD_RTOL * scale)
+
+
 def test_job_topology_errors():
     exp = api.load(EXAMPLE)
     with pytest.raises(ConfigError, match="unknown topology preset"):

@@ -142,16 +142,17 @@ def test_gradients_match_finite_differences(which):
     check_grads(f, (s0,), order=1, modes=("rev",), eps=1e-5, rtol=GRAD_RTOL, atol=0.0)
 
 
-def test_gradients_are_finite_at_ties_and_with_padding():
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_gradients_are_finite_at_ties_and_with_padding(dtype):
     # five equal flows on one link (a tie everywhere), one zero-byte and one padding flow
     incidence = np.vstack([np.ones((5, 2)), [[1.0, 0.0]], [[0.0, 0.0]]])
     sizes = np.array([1e9] * 5 + [0.0, 0.0])
 
     def f(c, b):
-        done = sharing.completion_times_s(jnp.asarray(incidence), c, jnp.zeros(2), b)
+        done = sharing.completion_times_s(jnp.asarray(incidence, dtype), c, jnp.zeros(2, dtype), b)
         return jnp.sum(sharing.group_makespan_s(done, jnp.array([0] * 5 + [1, -1]), 2))
 
-    gc, gb = jax.grad(f, argnums=(0, 1))(jnp.array([50e9, 80e9]), jnp.asarray(sizes))
+    gc, gb = jax.grad(f, argnums=(0, 1))(jnp.array([50e9, 80e9], dtype), jnp.asarray(sizes, dtype))
     assert np.all(np.isfinite(gc)) and np.all(np.isfinite(gb))
     assert float(gc[0]) < 0.0  # the bottleneck's capacity shortens the makespan
     assert abs(float(gc[1])) < 1e-6 * abs(float(gc[0]))  # the other link does not matter
@@ -217,3 +218,34 @@ def test_makespan_gradients_with_starts_and_multiplicity_match_finite_difference
 
     args = (jnp.zeros(len(case.capacity_Bps)), start0_ms)
     check_grads(f, args, order=1, modes=("rev",), eps=1e-7, rtol=GRAD_RTOL, atol=0.0)
+
+
+def test_few_flows_within_one_percent_of_exact():
+    """``few_flows_completion_s`` (the three-flow sharing of the network path) against the
+    exact reference on ``sharing_cases.few_flow_sets``, in float64 and float32."""
+    rows, capacity = sharing_cases.few_flow_sets(300, seed=0)
+    fn = jax.jit(jax.vmap(sharing.few_flows_completion_s))
+    for dtype in (jnp.float64, jnp.float32):
+        got = np.asarray(fn(jnp.asarray(rows, dtype), jnp.asarray(capacity, dtype)), float)
+        errs = sharing_cases.few_flow_errors(got, rows, capacity)
+        assert errs.max() <= TARGET, (dtype, int(errs.argmax()), errs.max())
+
+
+def test_few_flows_agree_with_completion_times():
+    """The same smooth model as ``completion_times_s`` with unit sizes, where no two levels or
+    finishes are near ties: three equal flows, disjoint tiers, two flows sharing one tier."""
+    rows = np.array(
+        [[[4.0, 0, 0]] * 3, [[3, 0, 0], [0, 2, 0], [0, 0, 1]], [[1, 2, 0], [0, 1, 1], [0, 0, 0]]]
+    )
+    capacity = jnp.asarray([10.0, 5.0, 2.0])
+    for r in rows:
+        general = sharing.completion_times_s(*_j(r, capacity, np.zeros(3), np.ones(3)))
+        few = sharing.few_flows_completion_s(*_j(r, capacity))
+        np.testing.assert_allclose(few, general, rtol=EXACT_RTOL)
+
+
+def test_few_flows_gradients_at_ties_match_finite_differences():
+    rows = jnp.asarray([[4e8, 1e8, 0.0], [4e8, 0.0, 0.0], [4e8, 0.0, 0.0]])
+    capacity = jnp.asarray([1.5e11, 2.5e10, 1.25e10])
+    f = lambda s: sharing.few_flows_completion_s(rows, capacity * jnp.exp(s))
+    check_grads(f, (jnp.zeros(3),), order=1, modes=("rev",), eps=1e-5, rtol=GRAD_RTOL, atol=0.0)

@@ -42,7 +42,6 @@ _CHOICES = {
     "send": ((_SEND, 1.0),),
 }
 _REDUCTION = {"all_reduce": 1.0, "reduce_scatter": 0.5}  # passes of the reduction kernel
-SHARING_ROUNDS = 3  # water-filling rounds and phases: exact for three flows
 
 
 def _hat(log_grid, x):
@@ -162,16 +161,9 @@ def traffic_row(items, g: Group, load, params: Params, temperature):
 def shared_delays_s(rows, capacity, temperature=sharing.DEFAULT_TEMPERATURE):
     """``[flows]`` delay of each of concurrent collectives (``rows``: ``[flows, tiers]``
     bytes on each tier's busiest link) from sharing the tiers max-min fairly: completion
-    together minus completion alone (``diffcost.sharing``, all starting together)."""
+    together minus completion alone (``sharing.few_flows_completion_s``, all starting
+    together)."""
     rows = jnp.stack(rows)
-    n = rows.shape[0]
-    ones = jnp.ones((n,), rows.dtype)
-    zeros = jnp.zeros(capacity.shape, rows.dtype)
-    together = sharing.completion_times_s(
-        rows, capacity, zeros, ones, phases=n, rounds=min(n, SHARING_ROUNDS),
-        temperature=temperature,
-    )  # fmt: skip
-    if rows.dtype != jnp.float64:
-        # sharing's float32 gradients are not finite where flows tie or have finished
-        together = jax.lax.stop_gradient(together)
-    return together - smooth.safe_div(1.0, sharing.alone_rate_Bps(rows, capacity))
+    together = sharing.few_flows_completion_s(rows, capacity, temperature)
+    alone = smooth.smooth_max(rows / capacity, axis=-1, temperature=sharing.CAP_TEMPERATURE)
+    return together - alone
