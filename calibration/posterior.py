@@ -138,23 +138,28 @@ def prior_widths(problem: F.Problem) -> np.ndarray:
     return np.array(dev + clu)
 
 
+def _flat(problem: F.Problem, d, c, jd: np.ndarray, jc: np.ndarray) -> np.ndarray:
+    """``[rows, constants]``: rows' device Jacobians ``jd`` placed at their family ``d`` and
+    cluster Jacobians ``jc`` at their cluster ``c``, in ``information``'s flat order."""
+    nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
+    d, c = np.asarray(d), np.asarray(c)
+    full = np.zeros((len(jd), nf * nd + len(problem.clusters) * ncl))
+    rows = np.arange(len(jd))[:, None]
+    full[rows, d[:, None] * nd + np.arange(nd)] = jd
+    full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc
+    return full
+
+
 def information(problem, result, jacobians, variances, delta: float):
     """The Gauss-Newton Hessian ``H`` of the negative log-likelihood over the flat (family x
     device entry, then cluster x cluster entry) raw constants, and per level the rows' design
     matrix ``[rows, constants]``, weights ``u_i / sigma_l^2`` and log residuals."""
-    nf, nc = len(problem.families), len(problem.clusters)
-    nd, ncl = len(DEV_ENTRIES), len(CLU_ENTRIES)
     H = np.diag(1.0 / np.square(prior_widths(problem)))
     terms = {}
     for level, (jd, jc) in jacobians.items():
         r = result.residuals[level]
         u = 1.0 / (1.0 + np.square(r / delta)) / variances[level]
-        d = np.asarray(problem.data[level]["d"])
-        c = np.asarray(problem.data[level]["c"])
-        full = np.zeros((r.size, nf * nd + nc * ncl))
-        rows = np.arange(r.size)[:, None]
-        full[rows, d[:, None] * nd + np.arange(nd)] = jd
-        full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc
+        full = _flat(problem, problem.data[level]["d"], problem.data[level]["c"], jd, jc)
         H += full.T @ (u[:, None] * full)
         terms[level] = (full, u, r)
     return 0.5 * (H + H.T), terms
@@ -330,16 +335,11 @@ def fold_covariance(
         dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
         logs = F.predict_log(dev, clu, data, cfg.temperature)
     H = np.diag(1.0 / np.square(prior_widths(problem)))
-    nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
     for level, (jd, jc) in jac.items():
         r = np.asarray(logs[level], float) - np.asarray(sub.data[level]["log_meas"], float)
         var = max(float(np.mean(r**2)), 1e-8)
         u = scale[level] / (1.0 + np.square(r / cfg.huber_delta)) / var
-        d, c = np.asarray(sub.data[level]["d"]), np.asarray(sub.data[level]["c"])
-        full = np.zeros((r.size, H.shape[0]))
-        rows = np.arange(r.size)[:, None]
-        full[rows, d[:, None] * nd + np.arange(nd)] = jd
-        full[rows, nf * nd + c[:, None] * ncl + np.arange(ncl)] = jc
+        full = _flat(problem, sub.data[level]["d"], sub.data[level]["c"], jd, jc)
         H += full.T @ (u[:, None] * full)
     return np.linalg.inv(0.5 * (H + H.T))
 
@@ -348,11 +348,6 @@ def flat_jacobians(problem: F.Problem, jac: np.ndarray, families, clusters) -> n
     """Rows' Jacobians over ``diffcost.params.SCALAR_NAMES`` (``[rows, names]``) placed in
     ``information``'s flat layout: device constants at the row's family (``families``: its
     index in ``problem.families``), the others at its cluster (``clusters``)."""
-    nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
-    out = np.zeros((len(jac), nf * nd + len(problem.clusters) * ncl))
-    rows = np.arange(len(jac))[:, None]
-    dev_k = np.array([k for k, *_ in DEV_ENTRIES])
-    clu_k = np.array([k for k, *_ in CLU_ENTRIES])
-    out[rows, np.asarray(families)[:, None] * nd + np.arange(nd)] = jac[:, dev_k]
-    out[rows, nf * nd + np.asarray(clusters)[:, None] * ncl + np.arange(ncl)] = jac[:, clu_k]
-    return out
+    dev_k = [k for k, *_ in DEV_ENTRIES]
+    clu_k = [k for k, *_ in CLU_ENTRIES]
+    return _flat(problem, families, clusters, jac[:, dev_k], jac[:, clu_k])
