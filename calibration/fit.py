@@ -35,7 +35,7 @@ from calibration.kernel_levels import KERNEL_LEVELS
 from calibration.records import Measurements
 from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
-from diffcost.cache import fast_compile_jit
+from diffcost.cache import FAST_CPU_COMPILE, STEADY_CPU_COMPILE, fast_compile_jit
 from diffcost.config import load_cluster
 from diffcost.gpus import FAMILY_CLUSTER, cluster_family, gpu_family, relative_rows
 from diffcost.params import CONSTANTS, GEMM_GRID_CLASSES, Params, default_params
@@ -455,16 +455,22 @@ def prior_curvature(problem: Problem, cfg: FitConfig, dtype=None):
     )
 
 
+# Steps x e2e rows from which ``STEADY_CPU_COMPILE`` pays: ~25 s more compiling, ~0.2 ms saved
+# per row and step (0.49 -> 0.12 s a step at 1,790 rows); a 600-step fit of them: 1.07 million.
+STEADY_ROW_STEPS = 120_000
+
+
 def make_step(problem: Problem, cfg: FitConfig, start: dict[str, Params] | None = None):
     """(step, optimizer): one jit-compiled Adam step ``(tables, state, data, redescend=1.0) ->
     (tables, state, loss, logs)`` on ``problem``'s loss, where ``logs`` are the log predicted
     times per level at the tables passed in and ``redescend`` the Huber-to-Cauchy blend
-    (``redescend_at``; a traced scalar, so changing it does not recompile). Compiled with
-    ``diffcost.cache.FAST_CPU_COMPILE`` on the CPU (the vmapped simulator's gradient compiles
-    in about half the time, and runs no slower)."""
+    (``redescend_at``; a traced scalar, so changing it does not recompile). On the CPU, with
+    ``STEADY_CPU_COMPILE`` from ``STEADY_ROW_STEPS`` on, else ``FAST_CPU_COMPILE``."""
     loss_fn = make_loss(problem, cfg, with_logs=True, start=start)
     opt = descent.adam(cfg.learning_rate, cfg.steps)
-    jitted = fast_compile_jit(descent.make_step(loss_fn, opt, has_aux=True))
+    row_steps = cfg.steps * problem.counts.get("e2e", 0)
+    options = STEADY_CPU_COMPILE if row_steps >= STEADY_ROW_STEPS else FAST_CPU_COMPILE
+    jitted = fast_compile_jit(descent.make_step(loss_fn, opt, has_aux=True), options)
 
     def call(tables, state, data, redescend=1.0):
         return jitted(tables, state, data, np.float32(redescend))
