@@ -2,8 +2,9 @@
 
     python benchmarks/workloads_from_jax.py [--quick] [--json]
 
-For every zoo model (``diffcost.zoo``: ResNet-50, VGG-16, ViT-B/16, DLRM-DCNv2, DLRM with dot
-interaction, and the small CNN, MLP and transformer block of the tests): trace the training step
+For every zoo model (``diffcost.zoo``: ResNet-50, VGG-16, ViT-B/16, 3D U-Net, RetinaNet,
+DLRM-DCNv2, DLRM with dot interaction, and the small CNN, MLP and transformer block of the
+tests): trace the training step
 (forward and the backward ``jax.vjp`` implies, w.r.t. the parameters) with ``from_jax``, shapes
 only, and compare its FLOPs with ``cost_analysis()["flops"]`` of the same step compiled by XLA
 for the CPU (compile only; nothing runs).

@@ -1,8 +1,8 @@
 """MLPerf Training v4.0: predicted against measured seconds per optimizer step, per benchmark.
 
 Reads ``e2e/mlperf_training_v4.0.csv`` of the shared data (``calibration.mlperf``: BERT-large,
-Llama-2 70B LoRA, ResNet-50 and DLRM-DCNv2 are represented, the other benchmarks listed with
-the reason), predicts every represented row
+Llama-2 70B LoRA, ResNet-50, SSD, 3D U-Net and DLRM-DCNv2 are represented, R-GAT and Stable
+Diffusion listed with the reason), predicts every represented row
 
 * **zero-shot**: on its cluster's shipped profiles and its implementation's stack
   (``diffcost.profiles.params_for``), nothing fitted to MLPerf;

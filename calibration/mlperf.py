@@ -6,9 +6,9 @@ Two steps (column meanings in ``shared/data/README.md`` section 1b):
   ``ReaderError`` (``file:line: column 'x': ...`` with the value and what would be valid);
 * ``to_record`` turns a row into an ``E2ERecord`` (model, plan, cluster, measured seconds per
   optimizer step) or raises ``NotRepresented`` with the reason: the transformer core represents
-  BERT-large and Llama-2 70B LoRA; ResNet-50 (an operator graph) and DLRM-DCNv2 (embedding
-  tables) become ``calibration.mlperf_models`` records; SSD, 3D U-Net, the GNN and Stable
-  Diffusion have no model.
+  BERT-large and Llama-2 70B LoRA; ResNet-50, SSD and 3D U-Net (operator graphs) and DLRM-DCNv2
+  (embedding tables) become ``calibration.mlperf_models`` records; the GNN and Stable Diffusion
+  have no model.
 
 What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecord.defaults``):
 
@@ -33,6 +33,8 @@ What the CSV leaves out and ``to_record`` assumes (each one listed in ``E2ERecor
   tp/cp cells are used when they agree with that size. Tensor-parallel communication overlaps
   the GEMMs (``TP_COMM_OVERLAP=True`` in config_common.sh) except on L40S, whose configs turn
   it off.
+* **SSD** (``ssd``): the logged throughput of NVIDIA's SSD is per GPU (``PER_GPU_THROUGHPUT``,
+  checked against the epochs' logged durations), so a step takes ``iter_s / n_gpus``.
 * The cluster preset comes from the accelerator and GPUs per node (``ACCELERATORS``).
 """
 
@@ -48,6 +50,7 @@ from calibration.mlperf_models import (
     GraphRecord,
     dlrm_record,
     resnet_record,
+    ssd_record,
     unet3d_record,
 )
 from calibration.records import CsvTable, E2ERecord, Measurements, ReaderError, Source
@@ -66,7 +69,6 @@ BENCHMARKS = (
 )
 # Why the transformer core cannot represent the other benchmarks.
 NOT_REPRESENTED = {
-    "ssd": "SSD (RetinaNet, ResNeXt-50 backbone, FPN, 800x800) is a CNN detector: no zoo model",
     "gnn": "R-GAT is a graph neural network with neighbour sampling: no model for it",
     "stable_diffusion": "Stable Diffusion v2 (U-Net, VAE, text encoder): no zoo model",
 }
@@ -84,7 +86,12 @@ REQUIRED = (
     "notes",
 )
 # benchmarks priced outside the transformer core: row -> record (``calibration.mlperf_models``)
-GRAPH_BENCHMARKS = {"resnet": resnet_record, "unet3d": unet3d_record, "dlrm_dcnv2": dlrm_record}
+GRAPH_BENCHMARKS = {
+    "resnet": resnet_record,
+    "ssd": ssd_record,
+    "unet3d": unet3d_record,
+    "dlrm_dcnv2": dlrm_record,
+}
 # accelerator cell -> {GPUs per node: cluster preset}
 ACCELERATORS = {
     "NVIDIA H100-SXM5-80GB": {8: "dgx-h100", 4: "hgx-h100-4gpu"},
@@ -100,6 +107,12 @@ ACCELERATORS = {
     },
     "NVIDIA A100-SXM4-80GB": {8: "selene-a100-80g"},
 }
+# benchmarks whose logged ``tracked_stats`` throughput is samples per second per GPU, not for
+# the whole system: NVIDIA's SSD (engine.py) logs 289.8 on 8 H100 (eos_ngc24.04_pytorch,
+# result_0.txt) while its epoch 1 runs 4,572 steps of 256 images in 504.9 s (2,318 images/s, 8 x
+# 290), and 212.1 on 64 H100 (eos_n8) while an epoch takes 86.2 s (13,573 images/s, 64 x 212).
+# The CSV's iter_s (global batch / throughput) is n_gpus times one step for these rows.
+PER_GPU_THROUGHPUT = frozenset({"ssd"})
 # tokens of one BERT phase-2 sample without padding: half of 512 (Krell et al. 2021: padding is
 # over 50% of the tokens at length 512)
 UNPADDED_SEQ_LEN = 256
@@ -318,6 +331,11 @@ def to_record(row: MlperfRow, row_no: int = 0) -> E2ERecord | GraphRecord | Dlrm
         raise NotRepresented(NOT_REPRESENTED[row.benchmark])
     cluster_name = cluster_for(row)
     used: list[str] = [f"cluster={cluster_name}"]
+    if row.benchmark in PER_GPU_THROUGHPUT:
+        row = dataclasses.replace(
+            row, samples_per_s=row.samples_per_s * row.n_gpus, iter_s=row.iter_s / row.n_gpus
+        )
+        used.append("iter_s / n_gpus (the log's throughput is per GPU)")
     if row.benchmark in GRAPH_BENCHMARKS:
         try:
             return GRAPH_BENCHMARKS[row.benchmark](

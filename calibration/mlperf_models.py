@@ -1,5 +1,5 @@
-"""MLPerf rows the transformer core does not represent: ResNet-50 (an operator graph, data
-parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``diffcost.dlrm_cost``).
+"""MLPerf rows the transformer core does not represent: ResNet-50, SSD and 3D U-Net (operator
+graphs, data parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``diffcost.dlrm_cost``).
 
 * **ResNet-50** (``resnet``): NVIDIA's MXNet implementation (every ResNet row's framework cell
   names MXNet or NVIDIA's MLPerf containers; ``config_DGXH100*.sh`` of
@@ -18,6 +18,16 @@ parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``diffcost.dlrm_co
   ``UNet3D`` (the reference's model/unet3d.py) on 128^3 patches, fp16, data parallel at the
   row's per-GPU batch (7 on 8 GPUs). Rows with fewer samples than GPUs (72 and 768 GPUs at a
   global batch of 56 and 84) split samples spatially: not represented.
+* **SSD** (``ssd``): NVIDIA's PyTorch implementation (every SSD row's framework cell names
+  PyTorch or NVIDIA's MLPerf containers; ``config_DGXH100_*.sh`` of
+  ``NVIDIA/benchmarks/ssd/implementations/pytorch``): the zoo's ``retinanet`` (the
+  reference's RetinaNet, ResNeXt-50 32x4d, FPN P3-P7, 800x800, 264 classes; stem and first
+  stage frozen, batch norm frozen) in fp16, data parallel with DDP at the row's per-GPU batch
+  (``BATCHSIZE``: 32 on 8 H100, 1 on 2,528), priced like ResNet-50. Apex's fused Adam is taken
+  as the optimizer traffic of ``Params.optimizer_bytes_per_param``. Not represented: the
+  implementation's fused kernels (``--apex-backbone-fusion``, ``--apex-head-fusion``, frozen
+  batch norm folded into the convolutions, the fused focal loss) and its CUDA graphs, as for
+  ResNet-50; the losses and anchor matching are outside the graph.
 * **DLRM-DCNv2** (``dlrm_dcnv2``): ``configs/dlrm/dlrm-dcnv2.yaml`` (the reference's 26 Criteo
   1TB multi-hot tables, dimension 128, DCNv2 3 x rank 512) at the row's global batch on its
   GPUs, priced by ``dlrm_cost`` under the greedy (TorchRec-planner-like) sharding plan of
@@ -43,7 +53,8 @@ from diffcost.opgraph.pricing import GraphArrays
 from diffcost.profiles import params_for
 from diffcost.specs import ClusterSpec
 
-# NVIDIA's MXNet ResNet and 3D U-Net train in fp16 (loss scaling) and all-reduce fp16 gradients
+# NVIDIA's MXNet ResNet and 3D U-Net and its PyTorch SSD train in fp16 (loss scaling) and
+# all-reduce fp16 gradients
 GRAPH_DTYPE = jnp.float16
 GRAPH_GRAD_BYTES = 2
 DLRM_PRESET = "dlrm-dcnv2"
@@ -110,6 +121,7 @@ def graph_record(
 
 resnet_record = functools.partial(graph_record, zoo_model="resnet50")
 unet3d_record = functools.partial(graph_record, zoo_model="unet3d")
+ssd_record = functools.partial(graph_record, zoo_model="retinanet")
 
 
 def dlrm_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> DlrmRecord:

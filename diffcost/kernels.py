@@ -193,9 +193,21 @@ def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):
     return n_bytes / (cluster.hbm_Bps * params.mem_eff)
 
 
-def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, temperature, log_eff=None):
+def gemm_s(
+    m,
+    n,
+    k,
+    flops_per_s,
+    cluster: ClusterArrays,
+    params: Params,
+    temperature,
+    log_eff=None,
+    io_bytes=None,
+):
     """Time of GEMMs ``(m x k) @ (k x n)`` (arrays broadcast) at ``flops_per_s`` large-GEMM rate;
-    ``log_eff`` is their shape-grid factor (default: read from the 16-bit grid).
+    ``log_eff`` is their shape-grid factor (default: read from the 16-bit grid); ``io_bytes``
+    their HBM traffic (default: the three operands at ``ACT_BYTES``; an implicit-GEMM
+    convolution passes its tensors' bytes, as its ``m x k`` operand is never stored).
 
     ``2 m n k / (rate * prod(d / (d + d_half)))`` is written as ``2 prod(d + d_half) / rate``
     so it stays finite for a zero dimension; a zero-size GEMM costs nothing.
@@ -207,7 +219,9 @@ def gemm_s(m, n, k, flops_per_s, cluster: ClusterArrays, params: Params, tempera
         log_eff = shape_log_eff(params.gemm_shape_log_eff, m, n, k, row=_HIGH)
     shape = jnp.exp(-log_eff)
     compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present * shape
-    io = memory_bound_s(ACT_BYTES * (m * k + k * n + m * n), cluster, params)
+    if io_bytes is None:
+        io_bytes = ACT_BYTES * (m * k + k * n + m * n)
+    io = memory_bound_s(io_bytes, cluster, params)
     return smooth.smax2(compute, io, temperature)
 
 

@@ -75,11 +75,11 @@ def test_head_tokens_must_be_a_fraction():
 
 
 @needs_data
-def test_reads_every_row_and_represents_four_benchmarks():
+def test_reads_every_row_and_represents_six_benchmarks():
     rows, meas = mlperf.load(MLPERF_CSV)
     assert len(rows) == 141
     benchmarks = [r.source_name.split("/")[-1] for r in meas.e2e]
-    for b in ("bert", "llama2_70b_lora", "resnet", "dlrm_dcnv2"):
+    for b in ("bert", "llama2_70b_lora", "resnet", "dlrm_dcnv2", "ssd"):
         assert benchmarks.count(b) == sum(r.benchmark == b for r in rows), b
     assert len(meas.e2e) + len(meas.skipped) == len(rows)
     for _, why in meas.skipped:
@@ -92,7 +92,8 @@ def test_reads_every_row_and_represents_four_benchmarks():
     for r in meas.e2e:
         n_gpus = r.plan.n_gpus if isinstance(r, E2ERecord) else r.n_gpus
         assert n_gpus == rows[r.row - 1].n_gpus
-        assert r.measured_iter_s == rows[r.row - 1].iter_s
+        per_gpu = r.source_name.endswith("/ssd")  # the log's throughput is per GPU
+        assert r.measured_iter_s == rows[r.row - 1].iter_s / (n_gpus if per_gpu else 1)
 
 
 @needs_data
@@ -114,6 +115,12 @@ def test_rows_become_the_implementations_plans():
     assert bert.plan.cuda_graphs
     resnet = by_system[("eos_n8_ngc24.04_mxnet", "resnet")]
     assert (resnet.n_gpus, resnet.local_batch, resnet.zoo_model) == (64, 50, "resnet50")
+    ssd = by_system[("eos_ngc24.04_pytorch", "ssd")]
+    assert (ssd.n_gpus, ssd.local_batch, ssd.zoo_model) == (8, 32, "retinanet")
+    # NVIDIA's SSD logs throughput per GPU: one step of 256 images is 1/8 of the CSV's iter_s
+    row = rows[ssd.row - 1]
+    assert ssd.measured_iter_s == pytest.approx(row.global_batch / (8 * row.samples_per_s))
+    assert any("per GPU" in d for d in ssd.defaults)
     dlrm = by_system[("eos_n16_ngc24.04_merlin_hugectr", "dlrm_dcnv2")]
     assert (dlrm.n_gpus, dlrm.spec.batch_size, len(dlrm.spec.tables)) == (128, 135168, 26)
 
@@ -238,3 +245,14 @@ def test_graph_rows_price_each_row_as_its_data_parallel_step():
     raw = np.zeros(rows.n_offsets)
     raw[fit.LEAVES.index("mem_eff_logit")] = 1.0
     assert (np.asarray(fit.predict_log(rows, raw)) < np.log(got)).all()
+
+
+def test_retinanet_graph_has_the_same_operators_at_every_batch():
+    """``GraphRows`` stacks one graph per row: the detector's operators (and so the arrays'
+    shapes) must not depend on the batch, a batch of one included (2,528 GPUs)."""
+    one, four = zoo_graph_arrays("retinanet", 1), zoo_graph_arrays("retinanet", 4)
+    assert one.gemm.shape == four.gemm.shape
+    np.testing.assert_array_equal(np.asarray(four.is_gemm), np.asarray(one.is_gemm))
+    # the same GEMMs in the same order (a convolution's group count does not depend on the
+    # batch; its m, or a weight gradient's k, does)
+    np.testing.assert_array_equal(np.asarray(four.gemm)[:, 0], np.asarray(one.gemm)[:, 0])

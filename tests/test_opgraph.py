@@ -320,6 +320,29 @@ def test_a_matmul_costs_what_the_kernel_model_says(priced):
     assert backward == 0.0
 
 
+def test_a_convolution_moves_its_tensors_not_its_implicit_gemm_operand(priced):
+    """A 3x3x3 convolution at 32 channels: its implicit GEMM's ``m x k`` operand repeats every
+    input element 27 times, but the kernel reads the input tensor, the weights and writes the
+    output: the GEMM model gets those bytes as its traffic."""
+    _, _, cluster, params = priced
+    conv = lambda w, x: jax.lax.conv_general_dilated(  # noqa: E731
+        x, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC")
+    )
+    x, w = spec(2, 32, 32, 32, 32, dtype=jnp.float16), spec(3, 3, 3, 32, 32, dtype=jnp.float16)
+    g = from_jax(conv, w, x, backward=False)
+    (op,) = g.select("forward", ["convolution"])
+    groups, m, n, k = op.gemm
+    tensors = 2.0 * (x.size + w.size + m * n)  # fp16 input, kernel and output
+    assert op.bytes_read + op.bytes_written == pytest.approx(tensors)
+    assert 2.0 * m * k > 20 * 2.0 * x.size  # the m x k operand (padding taps excluded)
+    rate = cluster.peak_flops[1] * params.gemm_eff[1]
+    want = gemm_s(m, n, k, rate, cluster, params, 1e-3, io_bytes=tensors)
+    implicit = gemm_s(m, n, k, rate, cluster, params, 1e-3)
+    forward, _ = graph_time_s(g, cluster, params, 1e-3)
+    np.testing.assert_allclose(forward, want + params.kernel_overhead_s, rtol=1e-12)
+    assert forward < 0.5 * implicit
+
+
 def test_a_scan_costs_its_trip_count(priced):
     _, _, cluster, params = priced
 

@@ -3,14 +3,18 @@
 Matrix products, convolutions (as implicit GEMMs) and unfused attention products take the
 project's GEMM model (``kernels.gemm_s``: peak FLOP/s of the operand type times the calibrated
 large-GEMM efficiency, the small-dimension falloff, the shape grid, a smooth maximum with the
-operand traffic), times their batch count. Every other operator is memory-bound: its HBM
-traffic over ``hbm_Bps x mem_eff`` (``kernels.memory_bound_s``). Elementwise and layout
-operators fuse the way XLA fuses them to first order: a tensor produced by an elementwise or
-layout operator and read only by elementwise, layout or reduction operators stays on chip (it is
-neither written nor read through HBM) unless the step keeps it (an output, a gradient, a saved
-tensor). Views (reshape, broadcast, squeeze, expand_dims) move nothing. Each operator that writes
-HBM is one kernel launch (``Params.kernel_overhead_s``). Collectives cost nothing here: they
-need a mesh and the cluster's links (the sharding step prices them).
+operand traffic), times their batch count. A convolution's operand traffic is its tensors'
+bytes (input, kernel, output: ``hbm_bytes``), not its implicit GEMM's ``m x k`` operand, which
+holds every input element once per kernel tap (27 times for a 3x3x3 kernel) and is never
+stored: implicit-GEMM kernels read an input tile once and reuse it across the taps on chip.
+Every other operator is memory-bound: its HBM traffic over ``hbm_Bps x mem_eff``
+(``kernels.memory_bound_s``). Elementwise and layout operators fuse the way XLA fuses them to
+first order: a tensor produced by an elementwise or layout operator and read only by
+elementwise, layout or reduction operators stays on chip (it is neither written nor read
+through HBM) unless the step keeps it (an output, a gradient, a saved tensor). Views (reshape,
+broadcast, squeeze, expand_dims) move nothing. Each operator that writes HBM is one kernel
+launch (``Params.kernel_overhead_s``). Collectives cost nothing here: they need a mesh and the
+cluster's links (the sharding step prices them).
 
 The graph's structure is static (numpy, built once by ``graph_arrays``); the time is a smooth
 function of ``Params`` and the cluster, so ``jax.grad`` w.r.t. either works.
@@ -25,7 +29,7 @@ from flax import struct
 
 from diffcost import smooth
 from diffcost.arrays import ClusterArrays
-from diffcost.kernels import gemm_s, memory_bound_s
+from diffcost.kernels import ACT_BYTES, gemm_s, memory_bound_s
 from diffcost.opgraph.ir import GEMM_KINDS, Graph
 from diffcost.params import Params
 from diffcost.specs import PRECISIONS
@@ -45,6 +49,7 @@ class GraphArrays:
 
     gemm: jax.Array  # [n_ops, 4] (batch, m, n, k); zeros for non-GEMM operators
     is_gemm: jax.Array  # 1 for matmul, convolution, attention
+    is_conv: jax.Array  # 1 for convolutions (GEMM traffic: ``hbm_bytes``)
     hbm_bytes: jax.Array  # bytes through HBM per execution, after fusion
     launches: jax.Array  # kernels launched per execution (0 or 1)
     count: jax.Array  # executions (loop trip counts)
@@ -98,6 +103,7 @@ def graph_arrays(graph: Graph, dtype=None) -> GraphArrays:
     return GraphArrays(
         gemm=as_array(gemm),
         is_gemm=as_array([op.kind in GEMM_KINDS for op in graph.operators]),
+        is_conv=as_array([op.kind == "convolution" for op in graph.operators]),
         hbm_bytes=as_array(hbm),
         launches=as_array(launches),
         count=as_array([op.count for op in graph.operators]),
@@ -115,7 +121,10 @@ def op_times_s(
     """Seconds of every operator, all its executions, ``[n_ops]``."""
     rate = arrays.precision @ (cluster.peak_flops * params.gemm_eff)
     b, m, n, k = (arrays.gemm[:, i] for i in range(4))
-    gemm = b * gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature)
+    operands = ACT_BYTES * (m * k + k * n + m * n)
+    conv = arrays.is_conv
+    io = conv * arrays.hbm_bytes / jnp.maximum(b, 1.0) + (1.0 - conv) * operands
+    gemm = b * gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature, io_bytes=io)
     memory = memory_bound_s(arrays.hbm_bytes, cluster, params)
     one = arrays.is_gemm * gemm + (1.0 - arrays.is_gemm) * memory
     return arrays.count * (one + arrays.launches * params.kernel_overhead_s)

@@ -433,6 +433,7 @@ def candidate_arrays(
     return GraphArrays(
         gemm=f(gemm),
         is_gemm=base.is_gemm[pick],
+        is_conv=base.is_conv[pick],
         hbm_bytes=f(hbm),
         launches=base.launches[pick] * f(present),
         count=base.count[pick] * f(factor),  # forward plus backward executions

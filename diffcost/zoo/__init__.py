@@ -4,7 +4,9 @@
 state, inputs)`` for models with batch-norm statistics) and abstract example arguments
 (``jax.ShapeDtypeStruct``; parameters come from ``jax.eval_shape`` of the flax ``init``, so
 nothing is allocated, even for DLRM's 40M-row tables). ``argnums`` names the trained arguments
-(the parameters: the input's gradient, and so the first layer's dgrad, is not computed).
+(the parameters: the input's gradient, and so the first layer's dgrad, is not computed). Frozen
+parts (RetinaNet's stem, first stage and batch-norm constants) are a separate untrained
+argument: no weight gradient, and no backward at all below the first trained layer.
 
 Examples:
     >>> import diffcost
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from diffcost.zoo.dense import MLP, EncoderBlock
+from diffcost.zoo.detection import IMAGE_SIZE, RetinaNet, frozen_subtrees
 from diffcost.zoo.dlrm import DLRM, MLPERF_DLRM_DCNV2
 from diffcost.zoo.vision import VGG16, ResNet50, SmallCNN, UNet3D, ViT
 
@@ -47,6 +50,8 @@ def _flax(name, module, inputs, description, batch) -> ZooModel:
     if any, are a separate untrained argument."""
     variables = jax.eval_shape(module.init, jax.random.key(0), *inputs)
     params = variables["params"]
+    if isinstance(module, RetinaNet):
+        return _partly_frozen(name, module, variables, inputs, description, batch)
     if "batch_stats" in variables:
 
         def fn_bn(params, stats, *xs):
@@ -62,6 +67,21 @@ def _flax(name, module, inputs, description, batch) -> ZooModel:
         return module.apply({"params": params}, *xs)
 
     return ZooModel(name, fn, (params, *inputs), (0,), description, batch)
+
+
+def _partly_frozen(name, module, variables, inputs, description, batch) -> ZooModel:
+    """``fn(trained, (frozen, constants), *inputs)``: the parameter subtrees the reference
+    freezes (``detection.frozen_subtrees``) and every non-parameter collection (frozen batch
+    norm) are the second, untrained argument."""
+    trained = dict(variables["params"])
+    frozen = {k: trained.pop(k) for k in frozen_subtrees(trained)}
+    constants = {c: v for c, v in variables.items() if c != "params"}
+
+    def fn(trained, fixed, *xs):
+        frozen, constants = fixed
+        return module.apply({"params": {**trained, **frozen}, **constants}, *xs)
+
+    return ZooModel(name, fn, (trained, (frozen, constants), *inputs), (0,), description, batch)
 
 
 def _image(batch, size=224, channels=3):
@@ -87,6 +107,11 @@ _MODELS = {
         lambda b: (UNet3D(), (_spec((b, 128, 128, 128, 1)),)),
         1,
         "MLPerf 3D U-Net (KiTS19), 128^3 patches, 32-320 channels, 3 classes",
+    ),
+    "retinanet": (
+        lambda b: (RetinaNet(), _image(b, IMAGE_SIZE)),
+        1,
+        "MLPerf SSD: RetinaNet, ResNeXt-50 32x4d, FPN P3-P7, 800x800, 264 classes",
     ),
     "dlrm_dcnv2": (
         lambda b: _dlrm(b, "dcn"),
