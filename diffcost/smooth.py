@@ -167,3 +167,34 @@ def softmin_weights(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_T
     ok = temperature * scale > jnp.finfo(x.dtype).tiny
     tau = temperature * jnp.where(ok, scale, 1.0)
     return jnp.where(ok, jax.nn.softmax(-x / tau, axis=axis), hard)
+
+
+def smooth_min_of(xs, temperature: float = DEFAULT_TEMPERATURE):
+    """``smooth_min`` and ``softmin_weights`` over a list of same-shape arrays, element by
+    element: ``(value, [weight per array])``, the weights summing to 1.
+
+    The same arithmetic as stacking ``xs`` on a last axis and calling both, without the stack:
+    a batched sweep fuses a few arrays into the surrounding arithmetic (as ``smax2``), where a
+    small trailing axis makes it several times slower; and the value and the weights share
+    their exponentials.
+    """
+    xs = [jnp.asarray(x) for x in xs]
+    exact = xs[0]
+    for x in xs[1:]:
+        exact = jnp.minimum(exact, x)
+    taken = jnp.zeros(exact.shape, dtype=bool)
+    hard = []
+    for x in xs:  # one-hot on the first minimum, as ``jnp.argmin``
+        hit = (x == exact) & ~taken
+        hard.append(hit.astype(exact.dtype))
+        taken = taken | hit
+    if temperature == 0:
+        return exact, hard
+    scale = sum(jnp.abs(x) for x in xs) / len(xs)
+    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
+    tau = temperature * jnp.where(ok, scale, 1.0)
+    m = jax.lax.stop_gradient(exact)
+    e = [jnp.exp((m - x) / tau) for x in xs]
+    total = sum(e[1:], e[0])
+    value = jnp.where(ok, m - tau * jnp.log(total), exact)
+    return value, [jnp.where(ok, ei / total, h) for ei, h in zip(e, hard)]

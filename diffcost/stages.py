@@ -288,7 +288,24 @@ def network_comm_times(
     """
     dims = _dims(plan)
     prices = netmodel.priced(tables, params, temperature)
-    groups = {d: netmodel.group(tables, prices, *dims[d]) for d in dims}
+    traffic = shared_traffic(work, plan) if tables.contention and shared_delay_s is None else {}
+    names = {d: ["send"] if d == "pp" else ["all_to_all"] if d == "ep" else [] for d in dims}
+    for name, _, d in requests:
+        names[d].append(name)
+    loads = {d: [] for d in dims}
+    for parts in traffic.values():
+        for d, items in parts:
+            loads[d] += [name for name, _, _ in items]
+    groups = {
+        d: netmodel.group(
+            tables,
+            prices,
+            *dims[d],
+            slots=netmodel.slots_of(names[d] + loads[d]),
+            loads=netmodel.slots_of(loads[d]),
+        )
+        for d in dims
+    }
     t = [netmodel.collective_s(n, m, groups[d], params, temperature) for n, m, d in requests]
     p2p_s = netmodel.collective_s("send", work.p2p_msg_bytes, groups["pp"], params, temperature)
     a2a_s = netmodel.collective_s(
@@ -301,13 +318,11 @@ def network_comm_times(
 
         def row(parts):
             return sum(
-                netmodel.traffic_row(
-                    items, groups[d], netmodel.group_load(tables, *dims[d]), params, temperature
-                )
+                netmodel.traffic_row(items, groups[d], groups[d].load, params, temperature)
                 for d, items in parts
             )
 
-        rows = [row(parts) for parts in shared_traffic(work, plan).values()]
+        rows = [row(parts) for parts in traffic.values()]
         shared_delay_s = netmodel.shared_delays_s(rows, prices.capacity)[0]
     return comms.replace(
         all_reduce_s=comms.all_reduce_s.at[0].add(shared_delay_s),

@@ -233,3 +233,42 @@ def test_explain_reports_link_class_elasticities():
     for k in tiers:
         assert -1.0 <= rows[k]["elasticity"] <= 0.0
     assert min(rows[k]["elasticity"] for k in tiers) < 0.0
+
+
+def _bilinear_reference(table, log_grid, size, stride):
+    """Bilinear interpolation of ``table [G * G, ...]`` in ``(log size, log stride)``, the
+    cells found by ``np.searchsorted``: what ``netmodel.group``'s one gather computes."""
+    g = len(log_grid)
+
+    def hat(x):
+        i = int(np.clip(np.searchsorted(log_grid, x, side="right") - 1, 0, g - 2))
+        return i, float(np.clip((x - log_grid[i]) / (log_grid[i + 1] - log_grid[i]), 0, 1))
+
+    (i, wi), (j, wj) = hat(np.log(size)), hat(np.log(stride))
+    low = (1 - wj) * table[i * g + j] + wj * table[i * g + j + 1]
+    high = (1 - wj) * table[(i + 1) * g + j] + wj * table[(i + 1) * g + j + 1]
+    return (1 - wi) * low + wi * high
+
+
+def test_group_lookup_equals_bilinear_interpolation():
+    """``group`` (cell corners, one gather, comparisons for the cell) reads the tables as a
+    searched bilinear interpolation does, on the grid, between its points and beyond it,
+    and the subset of slots it is asked for."""
+    tables = build_tables(_dgx(2), 16)
+    params = api.params_for(api.load(EXAMPLE))[0]
+    prices = netmodel.priced(tables, params, 1e-4)
+    log_grid = np.asarray(tables.log_grid)
+    points = [(2.0, 1.0), (4.0, 2.0), (16.0, 1.0), (3.0, 1.5), (5.5, 7.0), (0.5, 40.0), (8, 2)]
+    tiers = len(tables.tiers)
+    for size, stride in points:
+        g = netmodel.group(tables, prices, size, stride, slots=(0, 2, 4), loads=(2, 4))
+        want = [np.asarray(a) for a in (prices.s_per_byte, prices.latency_s, tables.load)]
+        want = [_bilinear_reference(w, log_grid, size, stride) for w in want]
+        for slot in (0, 2, 4):
+            assert float(g.s_per_byte[slot]) == pytest.approx(want[0][slot], rel=1e-12)
+            assert float(g.latency_s[slot]) == pytest.approx(want[1][slot], rel=1e-12)
+        for slot in (2, 4):
+            np.testing.assert_allclose(g.load[slot], want[2][slot], rtol=1e-12)
+            assert g.load[slot].shape == (tiers,)
+        load = netmodel.group_load(tables, size, stride)
+        np.testing.assert_allclose(load, want[2], rtol=1e-12, atol=0)

@@ -123,3 +123,20 @@ def test_softmax_mean_bounds_converges_and_is_exact_at_ties(xs):
     assert float(smooth.softmax_mean(x, temperature=0)) == exact
     grad = jax.grad(lambda v: smooth.softmax_mean(v, temperature=1e-3))(jnp.zeros(4))
     assert np.all(np.isfinite(grad))
+
+
+@given(values, st.sampled_from((0.0, *TEMPERATURES)))
+@settings(max_examples=50, deadline=None)
+def test_smooth_min_of_equals_the_stacked_surrogates(xs, t):
+    """The list form gives ``smooth_min`` and ``softmin_weights`` of the stacked values, and
+    the same gradients."""
+    x = jnp.asarray(xs)
+    value, weights = smooth.smooth_min_of(list(x), temperature=t)
+    np.testing.assert_allclose(value, smooth.smooth_min(x, temperature=t), rtol=1e-12)
+    np.testing.assert_allclose(
+        jnp.stack(weights), smooth.softmin_weights(x, temperature=t), rtol=1e-9, atol=1e-15
+    )
+    if t > 0:
+        stacked = jax.grad(lambda v: smooth.smooth_min(v, temperature=t))(x)
+        listed = jax.grad(lambda v: smooth.smooth_min_of(list(v), temperature=t)[0])(x)
+        np.testing.assert_allclose(listed, stacked, rtol=1e-9, atol=1e-15)

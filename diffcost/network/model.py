@@ -45,20 +45,36 @@ _REDUCTION = {"all_reduce": 1.0, "reduce_scatter": 0.5}  # passes of the reducti
 
 
 def _hat(log_grid, x):
-    """Index of the grid cell below ``x`` and the linear weight of the cell above."""
-    last = log_grid.shape[0] - 2
-    i = jnp.clip(jnp.searchsorted(log_grid, x, side="right") - 1, 0, last)
-    width = log_grid[i + 1] - log_grid[i]
-    return i, smooth.clip_exact((x - log_grid[i]) / width, 0.0, 1.0)
+    """Index of the grid cell below ``x`` (clamped to the grid's cells) and the linear weight
+    of the cell above: one comparison per grid point and selects, no search and no gather (a
+    batched sweep runs a search as a loop of gathers)."""
+    i = jnp.zeros(jnp.shape(x), dtype=jnp.int32)
+    lo, hi = log_grid[0], log_grid[1]
+    for k in range(1, log_grid.shape[0] - 1):
+        above = x >= log_grid[k]
+        i = i + above.astype(jnp.int32)
+        lo = jnp.where(above, log_grid[k], lo)
+        hi = jnp.where(above, log_grid[k + 1], hi)
+    return i, smooth.clip_exact((x - lo) / (hi - lo), 0.0, 1.0)
 
 
-def _bilinear(table, log_grid, size, stride):
-    """Row of ``table`` (``[G * G, ...]``) at ``(size, stride)``, bilinear in the logs."""
+def _cell_corners(table, g):
+    """``[(g - 1) ** 2, 4, columns]``: the corners ``(i, j), (i, j + 1), (i + 1, j), (i + 1,
+    j + 1)`` of every cell ``i (g - 1) + j`` of a ``[g * g, columns]`` table, so that reading a
+    cell is one gather of a contiguous row (as ``kernels._cell_corners``)."""
+    t = table.reshape(g, g, -1)
+    corners = [t[:-1, :-1], t[:-1, 1:], t[1:, :-1], t[1:, 1:]]
+    return jnp.stack(corners, axis=2).reshape((g - 1) * (g - 1), 4, -1)
+
+
+def _lookup(corners, log_grid, size, stride):
+    """``[columns]`` at ``(size, stride)`` of a table's ``_cell_corners``, bilinear in the logs."""
     g = log_grid.shape[0]
     i, wi = _hat(log_grid, jnp.log(size))
     j, wj = _hat(log_grid, jnp.log(stride))
-    low = (1.0 - wj) * table[i * g + j] + wj * table[i * g + j + 1]
-    high = (1.0 - wj) * table[(i + 1) * g + j] + wj * table[(i + 1) * g + j + 1]
+    v = corners.at[i * (g - 1) + j].get(mode="promise_in_bounds")
+    low = (1.0 - wj) * v[0] + wj * v[1]
+    high = (1.0 - wj) * v[2] + wj * v[3]
     return (1.0 - wi) * low + wi * high
 
 
@@ -72,40 +88,69 @@ def tier_capacity_Bps(tables: NetworkTables, params: Params):
 class Priced:
     """Per table row and slot, what a collective's time needs: ``s_per_byte`` (the busiest
     tier's seconds per buffer byte, a smooth maximum over tiers) and ``latency_s`` (scaled),
-    ``[G * G, slots]`` each; and the effective ``capacity`` of the tiers. Computed once per
-    (tables, params), outside any batch over plans."""
+    ``[G * G, slots]`` each; the effective ``capacity`` of the tiers; and ``corners``, the
+    ``_cell_corners`` of ``[s_per_byte | latency_s | tables.load]`` (``slots * (2 + tiers)``
+    columns). Computed once per (tables, params), outside any batch over plans."""
 
     s_per_byte: jax.Array
     latency_s: jax.Array
     capacity: jax.Array
+    corners: jax.Array
 
 
 def priced(tables: NetworkTables, params: Params, temperature) -> Priced:
     capacity = tier_capacity_Bps(tables, params)
     s_per_byte = smooth.smooth_max(tables.load / capacity, temperature=temperature)
     scales = jnp.stack([params.nvlink_latency_scale, params.nic_latency_scale])
-    return Priced(s_per_byte, tables.latency_s @ scales, capacity)
+    latency_s = tables.latency_s @ scales
+    rows = tables.load.shape[0]
+    table = jnp.concatenate([s_per_byte, latency_s, tables.load.reshape(rows, -1)], axis=1)
+    return Priced(s_per_byte, latency_s, capacity, _cell_corners(table, tables.log_grid.shape[0]))
 
 
 @struct.dataclass
 class Group:
-    """One group of a dimension on the graph: ``size`` ranks; per slot its seconds per byte
-    and latency (``[slots]``)."""
+    """One group of a dimension on the graph: ``size`` ranks; per slot (``{slot index:
+    value}``, the slots looked up) its seconds per byte, latency and, where asked for, its
+    ``[tiers]`` bytes on each tier's busiest link per buffer byte (``group_load``)."""
 
     size: jax.Array
-    s_per_byte: jax.Array
-    latency_s: jax.Array
+    s_per_byte: dict
+    latency_s: dict
+    load: dict
 
 
-def group(tables: NetworkTables, prices: Priced, size, stride) -> Group:
-    """The ``Group`` of ``size`` ranks ``stride`` apart."""
-    per_byte = _bilinear(prices.s_per_byte, tables.log_grid, size, stride)
-    return Group(size, per_byte, _bilinear(prices.latency_s, tables.log_grid, size, stride))
+def slots_of(names) -> tuple:
+    """Indices in ``SLOTS`` of the algorithms collectives ``names`` choose from, sorted."""
+    return tuple(sorted({slot for name in names for slot, _ in _CHOICES[name]}))
+
+
+def group(tables: NetworkTables, prices: Priced, size, stride, slots=None, loads=()) -> Group:
+    """The ``Group`` of ``size`` ranks ``stride`` apart, looked up in one gather.
+
+    Args:
+        slots: indices in ``SLOTS`` to look up (default all).
+        loads: indices of the slots whose tier loads to look up too (contention).
+    """
+    n, tiers = len(SLOTS), tables.load.shape[-1]
+    slots = tuple(range(n)) if slots is None else tuple(slots)
+    cols = [*slots, *(n + s for s in slots)]
+    cols += [2 * n + s * tiers + t for s in loads for t in range(tiers)]
+    v = _lookup(prices.corners[:, :, jnp.asarray(cols)], tables.log_grid, size, stride)
+    k = len(slots)
+    return Group(
+        size,
+        {s: v[i] for i, s in enumerate(slots)},
+        {s: v[k + i] for i, s in enumerate(slots)},
+        {s: v[2 * k + i * tiers : 2 * k + (i + 1) * tiers] for i, s in enumerate(loads)},
+    )
 
 
 def group_load(tables: NetworkTables, size, stride):
     """``[slots, tiers]`` bytes on each tier's busiest link per buffer byte of the group."""
-    return _bilinear(tables.load, tables.log_grid, size, stride)
+    g = tables.log_grid.shape[0]
+    corners = _cell_corners(tables.load.reshape(g * g, -1), g)
+    return _lookup(corners, tables.log_grid, size, stride).reshape(tables.load.shape[1:])
 
 
 def _present(msg_bytes):
@@ -128,7 +173,7 @@ def collective_s(name, msg_bytes, g: Group, params: Params, temperature):
     times = _times(name, msg_bytes, g, params)
     t = times[0]
     if len(times) > 1:
-        t = smooth.smooth_min(jnp.stack(times), temperature=temperature)
+        t = smooth.smooth_min_of(times, temperature=temperature)[0]
     used = jnp.minimum(g.size - 1.0, 1.0)
     t = t + _REDUCTION.get(name, 0.0) * msg_bytes / params.reduce_Bps
     return used * (t + params.collective_overhead_s * _present(msg_bytes))
@@ -139,23 +184,24 @@ def traffic_row(items, g: Group, load, params: Params, temperature):
 
     Args:
         items: ``(collective, msg_bytes, count)`` each (``count`` calls; a weight).
-        g: the group; ``load``: its ``group_load``.
+        g: the group; ``load``: its ``group_load`` (``[slots, tiers]``, or ``{slot: [tiers]}``
+            of the slots the items use).
 
     Each collective's algorithms are weighted as its smooth minimum weighs them: the flow
     ``shared_delays_s`` shares.
     """
-    coef = [0.0] * len(SLOTS)
+    coef: dict = {}
     for name, msg_bytes, count in items:
         b = msg_bytes + params.half_bw_bytes * _present(msg_bytes)
         choices = _CHOICES[name]
         weights = [1.0]
         if len(choices) > 1:
-            times = jnp.stack(_times(name, msg_bytes, g, params))
-            weights = smooth.softmin_weights(times, temperature=temperature)
+            times = _times(name, msg_bytes, g, params)
+            weights = smooth.smooth_min_of(times, temperature=temperature)[1]
         for i, (slot, passes) in enumerate(choices):
-            coef[slot] = coef[slot] + count * passes * b * weights[i]
-    coef = jnp.stack([jnp.asarray(c, dtype=load.dtype) for c in coef])
-    return jnp.minimum(g.size - 1.0, 1.0) * (coef @ load)
+            coef[slot] = coef.get(slot, 0.0) + count * passes * b * weights[i]
+    row = sum(coef[slot] * load[slot] for slot in sorted(coef))
+    return jnp.minimum(g.size - 1.0, 1.0) * row
 
 
 def shared_delays_s(rows, capacity, temperature=sharing.DEFAULT_TEMPERATURE):
