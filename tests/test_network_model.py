@@ -168,25 +168,25 @@ def test_shared_delay_gradients_match_central_differences(case):
         assert grad[i] == pytest.approx(fd, rel=SHARED_GRAD_RTOL, abs=SHARED_GRAD_RTOL * scale)
 
 
-def _capacity_grad(arrays):
-    model, plan, cluster, params = arrays
-
-    def time_s(capacity):
+def _capacity_grad(arrays, transform=lambda fn: fn):
+    def time_s(capacity, model, plan, cluster, params):
         c = cluster.replace(network=cluster.network.with_capacities(capacity))
         return simulate(model, plan, c, params).iteration_s
 
-    return np.asarray(jax.grad(time_s)(cluster.network.tier_capacity_Bps))
+    capacity = arrays[2].network.tier_capacity_Bps
+    return np.asarray(transform(jax.grad(time_s))(capacity, *arrays))
 
 
 def test_iteration_time_gradients_finite_in_float32():
     """The sweeps run in float32 (``speed.py``): the iteration time with contention on the
     cluster's graph keeps finite gradients with respect to every tier's capacity, close to
     the float64 ones (which ``test_gradients_reach_the_tier_capacities`` checks against
-    central differences)."""
+    central differences). The float32 gradient is compiled, as the sweeps compile it: run
+    eagerly it compiled every float32 primitive one by one, which took minutes."""
     arrays = _arrays()
     to32 = lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
     with jax.numpy_dtype_promotion("standard"):
-        grad = _capacity_grad(jax.tree_util.tree_map(to32, arrays))
+        grad = _capacity_grad(jax.tree_util.tree_map(to32, arrays), jax.jit)
     assert grad.dtype == np.float32 and np.all(np.isfinite(grad)) and grad.min() < 0
     exact = _capacity_grad(arrays)
     scale = float(np.abs(exact).max())

@@ -283,18 +283,21 @@ def _batch(cases):
 
 
 def test_vmap_equals_loop_and_padding_changes_nothing():
+    """One batch of every plan padded with copies of an unrelated configuration: each real
+    row equals its configuration simulated alone (so the padding changes none of them), and
+    so does each padding row. The batch is compiled once; an eager vmap compiles every
+    batched primitive per batch size, which took minutes."""
     cases = [(GPT, PLANS[n]) for n in PLANS]
+    pad = (LLAMA, PLANS["cp2"])
     params = default_params(jnp.float64)
-    run = jax.vmap(lambda m, p, c: simulate(m, p, c, params))
-    batched = run(*_batch(cases))
-    for i, (m, p) in enumerate(cases):
-        single = simulate(*arrays(m, p), params)
-        for a, b in zip(jax.tree_util.tree_leaves(single), jax.tree_util.tree_leaves(batched)):
+    run = jax.jit(jax.vmap(lambda m, p, c: simulate(m, p, c, params)))
+    padded = run(*_batch(cases + [pad] * 5))
+    singles = [simulate(*arrays(m, p), params) for m, p in cases + [pad]]
+    rows = [*range(len(cases)), *[len(cases)] * 5]  # padding rows compare with the pad alone
+    for i, k in enumerate(rows):
+        leaves = zip(jax.tree_util.tree_leaves(singles[k]), jax.tree_util.tree_leaves(padded))
+        for a, b in leaves:
             np.testing.assert_allclose(np.asarray(b)[i], np.asarray(a), rtol=REL)
-    # pad the batch with copies of an unrelated configuration: the real rows are unchanged
-    padded = run(*_batch(cases + [(LLAMA, PLANS["cp2"])] * 5))
-    for a, b in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(padded)):
-        np.testing.assert_allclose(np.asarray(b)[: len(cases)], np.asarray(a), rtol=REL)
 
 
 def test_jit_equals_eager_and_does_not_recompile():

@@ -285,7 +285,7 @@ def test_shape_constants_are_held_for_families_without_attention_rows():
     loss = fit_mod.make_loss(problem, fit_mod.FitConfig())
     dev, clu = fit_mod.initial_tables(problem)
     moved = {k: v + 0.1 for k, v in dev.items()}  # off the prior's centre: every leaf pulls
-    grads = jax.grad(loss)((moved, clu), problem.data)[0]
+    grads = jax.jit(jax.grad(loss))((moved, clu), problem.data)[0]  # compiled: eager took ~70 s
     b200, h100 = problem.families.index("b200"), problem.families.index("h100")
     for leaf in kernel_levels.ATTENTION_ONLY_LEAVES:
         assert float(grads[leaf][b200]) != 0.0
