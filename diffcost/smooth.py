@@ -196,5 +196,10 @@ def smooth_min_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     m = jax.lax.stop_gradient(exact)
     e = [jnp.exp((m - x) / tau) for x in xs]
     total = sum(e[1:], e[0])
-    value = jnp.where(ok, m - tau * jnp.log(total), exact)
+    # where the temperature vanishes (every value ~0), the exact minimum with its gradient
+    # shared equally by the tied arrays, as ``jnp.min`` over a stacked axis shares it
+    ties = [(x == exact).astype(exact.dtype) for x in xs]
+    count = sum(ties[1:], ties[0])
+    at_min = m + sum(t * (x - m) for t, x in zip(ties, xs)) / count
+    value = jnp.where(ok, m - tau * jnp.log(total), at_min)
     return value, [jnp.where(ok, ei / total, h) for ei, h in zip(e, hard)]
