@@ -190,7 +190,7 @@ def smooth_min_of(xs, temperature: float = DEFAULT_TEMPERATURE):
         taken = taken | hit
     if temperature == 0:
         return exact, hard
-    scale = sum(jnp.abs(x) for x in xs) / len(xs)
+    scale = sum(jnp.abs(-x) for x in xs) / len(xs)  # |-x|: smooth_min's subgradient at 0
     ok = temperature * scale > jnp.finfo(exact.dtype).tiny
     tau = temperature * jnp.where(ok, scale, 1.0)
     m = jax.lax.stop_gradient(exact)
