@@ -193,6 +193,11 @@ def memory_bound_s(n_bytes, cluster: ClusterArrays, params: Params):
     return n_bytes / (cluster.hbm_Bps * params.mem_eff)
 
 
+def gemm_operand_bytes(m, n, k):
+    """HBM bytes of GEMMs ``(m x k) @ (k x n)``: both operands and the result at ``ACT_BYTES``."""
+    return ACT_BYTES * (m * k + k * n + m * n)
+
+
 def gemm_s(
     m,
     n,
@@ -206,7 +211,7 @@ def gemm_s(
 ):
     """Time of GEMMs ``(m x k) @ (k x n)`` (arrays broadcast) at ``flops_per_s`` large-GEMM rate;
     ``log_eff`` is their shape-grid factor (default: read from the 16-bit grid); ``io_bytes``
-    their HBM traffic (default: the three operands at ``ACT_BYTES``; an implicit-GEMM
+    their HBM traffic (default: ``gemm_operand_bytes``; an implicit-GEMM
     convolution passes its tensors' bytes, as its ``m x k`` operand is never stored).
 
     ``2 m n k / (rate * prod(d / (d + d_half)))`` is written as ``2 prod(d + d_half) / rate``
@@ -220,7 +225,7 @@ def gemm_s(
     shape = jnp.exp(-log_eff)
     compute = 2.0 * (m + c) * (n + c) * (k + c) / flops_per_s * present * shape
     if io_bytes is None:
-        io_bytes = ACT_BYTES * (m * k + k * n + m * n)
+        io_bytes = gemm_operand_bytes(m, n, k)
     io = memory_bound_s(io_bytes, cluster, params)
     return smooth.smax2(compute, io, temperature)
 

@@ -29,7 +29,7 @@ from flax import struct
 
 from diffcost import smooth
 from diffcost.arrays import ClusterArrays
-from diffcost.kernels import ACT_BYTES, gemm_s, memory_bound_s
+from diffcost.kernels import gemm_operand_bytes, gemm_s, memory_bound_s
 from diffcost.opgraph.ir import GEMM_KINDS, Graph
 from diffcost.params import Params
 from diffcost.specs import PRECISIONS
@@ -121,9 +121,8 @@ def op_times_s(
     """Seconds of every operator, all its executions, ``[n_ops]``."""
     rate = arrays.precision @ (cluster.peak_flops * params.gemm_eff)
     b, m, n, k = (arrays.gemm[:, i] for i in range(4))
-    operands = ACT_BYTES * (m * k + k * n + m * n)
     conv = arrays.is_conv
-    io = conv * arrays.hbm_bytes / jnp.maximum(b, 1.0) + (1.0 - conv) * operands
+    io = conv * arrays.hbm_bytes / jnp.maximum(b, 1.0) + (1.0 - conv) * gemm_operand_bytes(m, n, k)
     gemm = b * gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature, io_bytes=io)
     memory = memory_bound_s(arrays.hbm_bytes, cluster, params)
     one = arrays.is_gemm * gemm + (1.0 - arrays.is_gemm) * memory
