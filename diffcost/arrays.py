@@ -200,12 +200,20 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
         overlap_tp=f(1.0 if plan.overlap_tp else 0.0),
         grad_reduce_fp32=f(1.0 if plan.grad_reduce_fp32 else 0.0),
         zero=_choice(specs.ZERO_STAGES, plan.zero, f),
-        recompute=_choice(specs.RECOMPUTE_MODES, plan.recompute, f),
+        recompute=_recompute_leaf(plan, f),
         schedule=_choice(specs.SCHEDULES, plan.schedule, f),
         order=f(order),
         **lora_leaves(plan.lora_rank, plan.lora_modules, f),
         cuda_graphs=1.0 if plan.cuda_graphs else 0.0,
     )
+
+
+def _recompute_leaf(plan: PlanSpec, f):
+    """Probabilities of none / selective / full: ``recompute`` on ``recompute_fraction`` of the
+    layers, none on the rest (time and saved activations are linear in them)."""
+    share = plan.recompute_fraction
+    mode = _one_hot(specs.RECOMPUTE_MODES.index(plan.recompute), len(specs.RECOMPUTE_MODES))
+    return f(share * mode + (1.0 - share) * _one_hot(0, len(specs.RECOMPUTE_MODES)))
 
 
 def lora_leaves(rank: int | None, modules: str, f=None, n: int | None = None) -> dict:

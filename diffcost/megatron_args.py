@@ -20,6 +20,8 @@ _VALUE_FLAGS = {
     "--micro-batch-size": "microbatch",
     "--global-batch-size": "global_batch",
     "--recompute-granularity": "recompute",
+    "--recompute-method": "recompute_method",
+    "--recompute-num-layers": "recompute_num_layers",
     "--num-layers": "n_layers",
     "--hidden-size": "hidden",
     "--ffn-hidden-size": "ffn_hidden",
@@ -165,6 +167,11 @@ def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
         raise ValueError(f"--recompute-granularity {recompute!r}: expected full or selective")
     mb = num("microbatch", 1)
     dp = n_gpus // (tp * pp * cp)
+    # Full recompute by "block" checkpoints the first N layers of each (virtual) stage only;
+    # "uniform" (the default) checkpoints every layer, N at a time.
+    share = 1.0
+    if recompute == "full" and values.get("recompute_method") == "block":
+        share = min(1.0, num("recompute_num_layers", 1) * pp * chunks / model.n_layers)
     return PlanSpec(
         tp=tp,
         pp=pp,
@@ -174,6 +181,7 @@ def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
         sequence_parallel="sp" in switches,
         zero=1 if "dist_opt" in switches else 0,
         recompute=recompute,
+        recompute_fraction=share,
         microbatch=mb,
         global_batch=num("global_batch", mb * dp),
         schedule="interleaved" if chunks > 1 else "1f1b",

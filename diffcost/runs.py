@@ -41,6 +41,8 @@ class FrameworkDefaults:
     overlap_dp: bool
     overlap_tp: bool  # with tp > 1
     grad_reduce_fp32: bool = True  # ZeRO 0-2 gradients in fp32 (else 16-bit)
+    # What a run's "selective" recompute is in this stack: (mode, share of the layers)
+    selective: tuple[str, float] = ("selective", 1.0)
 
 
 _MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True)
@@ -60,8 +62,13 @@ FRAMEWORK_DEFAULTS = {
     # PyTorch FSDP stacks. llm-foundry's MPT configs (scripts/train/yamls/pretrain/mpt-*.yaml,
     # which its benchmark tables ran) set ``attn_impl: triton``: FlashAttention in Triton, the
     # kernel that carried MPT's ALiBi bias. torchtitan: FlashAttention-2 through PyTorch SDPA.
+    # torchtitan's selective activation checkpointing (torchtitan/parallelisms/
+    # parallelize_llama.py) either checkpoints every second transformer block whole (by layer,
+    # ``selective_ac_option: 2``) or, by op, keeps the matmul and attention outputs except every
+    # second matmul and recomputes the rest; both replay about half of a block's forward, so it
+    # is full recompute on half the layers, not Megatron's attention-core recompute.
     "llm-foundry": FrameworkDefaults(False, 3, "none", "triton", True, False),
-    "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False),
+    "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False, True, ("full", 0.5)),
     "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
 }
 GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
@@ -236,7 +243,10 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         sp = fw.sequence_parallel and tp > 1
         used.append(f"sequence_parallel={sp}")
     zero = _cell_or(row, "zero", fw.zero, f"zero={fw.zero}", used)
-    recompute = _recompute(row, model, fw_key, used)
+    recompute, recompute_fraction = _recompute(row, model, fw_key, used), 1.0
+    if recompute == "selective" and fw.selective != ("selective", 1.0):
+        recompute, recompute_fraction = fw.selective
+        used.append(f"selective recompute as {recompute} on {recompute_fraction:g} of the layers")
     chunks = _cell_or(row, "interleave_chunks", 1, "interleave_chunks=1", used)
     used.append(f"overlap_dp={fw.overlap_dp}")
     if not fw.grad_reduce_fp32 and zero < 3:
@@ -252,6 +262,7 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         sequence_parallel=sp,
         zero=zero,
         recompute=recompute,
+        recompute_fraction=recompute_fraction,
         microbatch=mb,
         global_batch=gb,
         schedule="interleaved" if chunks > 1 else "1f1b",

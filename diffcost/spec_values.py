@@ -274,6 +274,13 @@ def _plan_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> Pl
         return tuple(value)
 
     plan = _build(PlanSpec, tree, where, prefix, {"zero": zero, "order": order})
+    if not 0.0 < plan.recompute_fraction <= 1.0:
+        raise invalid(
+            where,
+            f"{prefix}recompute_fraction",
+            plan.recompute_fraction,
+            "a fraction in (0, 1]: the share of the layers recompute applies to",
+        )
     if plan.schedule == "interleaved" and plan.chunks < 2:
         raise ConfigError(
             f"{where}: {prefix}chunks={plan.chunks} is invalid with "

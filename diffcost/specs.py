@@ -134,6 +134,9 @@ class PlanSpec:
     sequence_parallel: bool = False
     zero: int = 0
     recompute: Recompute = "none"
+    # Share of the layers ``recompute`` applies to; the others keep every activation (Megatron's
+    # ``--recompute-method block --recompute-num-layers``, torchtitan's selective AC by layer)
+    recompute_fraction: float = 1.0
     microbatch: int = 1
     global_batch: int = 1
     schedule: Schedule = "1f1b"

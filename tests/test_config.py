@@ -7,11 +7,13 @@ import re
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from helpers import SHARED_DATA
 
 from diffcost import config
+from diffcost.arrays import plan_arrays
 from diffcost.config import (
     ConfigError,
     available_presets,
@@ -241,6 +243,20 @@ def test_override_with_bad_value_names_field_and_value():
         match=r"plan\.recompute='sometimes' is invalid.*'none', 'selective', 'full'",
     ):
         load_experiment("gpt3-175b", ["plan.recompute=sometimes"])
+
+
+@pytest.mark.parametrize(
+    "share, valid",
+    [("0", "a number > 0"), ("-0.5", "a number > 0"), ("1.5", r"fraction in \(0, 1\]")],
+)
+def test_recompute_fraction_outside_0_1_names_field_and_range(share, valid):
+    with pytest.raises(ConfigError, match=rf"plan\.recompute_fraction={share} is invalid.*{valid}"):
+        load_experiment("gpt3-175b", ["plan.recompute=full", f"plan.recompute_fraction={share}"])
+
+
+def test_recompute_fraction_reaches_the_plan_arrays():
+    exp = load_experiment("gpt3-175b", ["plan.recompute=full", "plan.recompute_fraction=0.25"])
+    np.testing.assert_allclose(plan_arrays(exp.plan).recompute, [0.75, 0.0, 0.25])
 
 
 # ------------------------------------------------------------------------------------------

@@ -277,6 +277,21 @@ def test_recompute_trades_time_for_memory():
     assert time[0] <= time[1] < time[2]
 
 
+def test_recompute_on_a_share_of_the_layers_is_between_none_and_full():
+    """Full recompute on half the layers costs the mean of none and full in time, and keeps the
+    mean of their saved activations (up to the smooth maxima's curvature)."""
+    plan = PLANS["tp4pp2"]
+    none, full, half = (
+        _run(plan=dataclasses.replace(plan, recompute=r, recompute_fraction=f))
+        for r, f in (("none", 1.0), ("full", 1.0), ("full", 0.5))
+    )
+    assert float(half.iteration_s) == pytest.approx(
+        0.5 * (float(none.iteration_s) + float(full.iteration_s)), rel=1e-6
+    )
+    assert float(none.memory_peak_bytes) > float(half.memory_peak_bytes)
+    assert float(half.memory_peak_bytes) > float(full.memory_peak_bytes)
+
+
 def _batch(cases):
     ms, ps, cs = zip(*(arrays(m, p) for m, p in cases))
     return stack(ms), stack(ps), stack(cs)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diffcost import cli
-from diffcost.runs import E2E_COLUMNS, read_rows
+from diffcost.runs import E2E_COLUMNS, read_rows, row_to_specs
 from diffcost.validate import validate
 
 E2E = Path(__file__).parent / "data" / "readers_e2e.csv"  # 3 predictable rows, then 3 others
@@ -62,6 +62,21 @@ def test_megatron_deepspeed_rows_reduce_16_bit_gradients():
     rows = validate(E2E)["rows"]
     assert "grad_reduce_fp32=False" in rows[0]["defaults"]
     assert not any("grad_reduce_fp32" in d for d in rows[2]["defaults"])
+
+
+@pytest.mark.parametrize(
+    "framework, expected",
+    [("torchtitan (PyTorch FSDP2)", ("full", 0.5)), ("NeMo", ("selective", 1.0))],
+)
+def test_selective_recompute_is_what_the_stack_replays(framework, expected):
+    """torchtitan's selective activation checkpointing replays about half of every block's
+    forward (full recompute on half the layers, said in the row's defaults); in a Megatron-Core
+    stack "selective" stays the attention-core recompute."""
+    row = dict(read_rows(E2E)[1], framework=framework, recompute="selective")
+    model, plan, cluster, used = row_to_specs(row, {})
+    assert (plan.recompute, plan.recompute_fraction) == expected
+    said = [u for u in used if u.startswith("selective recompute as")]
+    assert said == (["selective recompute as full on 0.5 of the layers"] if expected[1] < 1 else [])
 
 
 def test_blank_time_is_a_skip_with_its_reason(capsys):

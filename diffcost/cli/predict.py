@@ -165,10 +165,11 @@ def print_prediction(exp: Experiment, d: dict) -> None:
     """
     console = Console()
     p = exp.plan
+    share = f"({p.recompute_fraction:g} of layers)" if p.recompute_fraction < 1 else ""
     console.print(
         f"[bold]{exp.model.name}[/] on [bold]{exp.cluster.name}[/], {p.n_gpus} GPUs: "
         f"tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} sp={p.sequence_parallel} "
-        f"zero={p.zero} recompute={p.recompute} mb={p.microbatch} gb={p.global_batch} "
+        f"zero={p.zero} recompute={p.recompute}{share} mb={p.microbatch} gb={p.global_batch} "
         f"schedule={p.schedule}" + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
     )
     interval = ""
