@@ -166,8 +166,8 @@ def problem_for(
 
     Args:
         model_spec, plan_spec, cluster_spec: the specs (``diffcost.config`` loaders). The plan's
-            ``recompute`` is ignored (the problem chooses it per stage); its schedule must be
-            ``1f1b`` and ``pp >= 2``.
+            ``recompute`` and ``recompute_fraction`` are ignored (the problem chooses them per
+            stage); its schedule must be ``1f1b`` and ``pp >= 2``.
         params: calibrated constants (e.g. ``diffcost.profiles.params_for(cluster)[0]``).
 
     Returns:
@@ -190,8 +190,8 @@ def problem_for(
     problems = config.check_plan(model_spec, cluster_spec, plan_spec, strict=False)
     if problems:
         raise config.ConfigError("invalid plan:\n  - " + "\n  - ".join(problems))
-    plan_none = dataclasses.replace(plan_spec, recompute="none")
-    plan_full = dataclasses.replace(plan_spec, recompute="full")
+    plan_none = dataclasses.replace(plan_spec, recompute="none", recompute_fraction=1.0)
+    plan_full = dataclasses.replace(plan_spec, recompute="full", recompute_fraction=1.0)
     model, cluster = model_arrays(model_spec), cluster_arrays(cluster_spec)
     plan, plan_rc = plan_arrays(plan_none), plan_arrays(plan_full)
     dtype = model.n_layers.dtype
