@@ -123,6 +123,9 @@ def test_rows_become_the_implementations_plans():
     assert any("per GPU" in d for d in ssd.defaults)
     dlrm = by_system[("eos_n16_ngc24.04_merlin_hugectr", "dlrm_dcnv2")]
     assert (dlrm.n_gpus, dlrm.spec.batch_size, len(dlrm.spec.tables)) == (128, 135168, 26)
+    # HugeCTR's mixed precision: 16-bit embedding exchange and gradient all-reduce, fp32 tables
+    assert (dlrm.spec.exchange_bytes, dlrm.spec.grad_bytes, dlrm.spec.embedding_bytes) == (2, 2, 4)
+    assert any("includes evaluation" in d for d in dlrm.defaults)
 
 
 def _write(tmp_path, edit):
