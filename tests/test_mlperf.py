@@ -79,13 +79,17 @@ def test_reads_every_row_and_represents_six_benchmarks():
     rows, meas = mlperf.load(MLPERF_CSV)
     assert len(rows) == 141
     benchmarks = [r.source_name.split("/")[-1] for r in meas.e2e]
-    for b in ("bert", "llama2_70b_lora", "resnet", "dlrm_dcnv2", "ssd"):
+    for b in ("bert", "llama2_70b_lora", "resnet", "ssd"):
         assert benchmarks.count(b) == sum(r.benchmark == b for r in rows), b
+    # one DLRM row's step is not set by its GPUs (mlperf.NOT_REPRESENTED_ROWS)
+    assert benchmarks.count("dlrm_dcnv2") == sum(r.benchmark == "dlrm_dcnv2" for r in rows) - 1
     assert len(meas.e2e) + len(meas.skipped) == len(rows)
     for _, why in meas.skipped:
         bench = why.split(":")[0]
         if bench == "unet3d":  # 72 and 768 GPUs at 56 and 84 samples: spatial parallelism
             assert "spatial parallelism" in why
+            continue
+        if why.endswith(tuple(mlperf.NOT_REPRESENTED_ROWS.values())):
             continue
         assert bench in mlperf.NOT_REPRESENTED and why.endswith(mlperf.NOT_REPRESENTED[bench])
     assert benchmarks.count("unet3d") == sum(r.benchmark == "unet3d" for r in rows) - 3
