@@ -72,6 +72,17 @@ NOT_REPRESENTED = {
     "gnn": "R-GAT is a graph neural network with neighbour sampling: no model for it",
     "stable_diffusion": "Stable Diffusion v2 (U-Net, VAE, text encoder): no zoo model",
 }
+# Rows whose measured step is set by something outside the GPU work the model describes, with
+# the evidence from their result logs (mlcommons/training_results_v4.0).
+NOT_REPRESENTED_ROWS = {
+    ("Quanta_Cloud_Technology", "D54U-3U", "dlrm_dcnv2"): (
+        "the same GPU work runs at different speeds: result_0 trains 0.05 epoch (210M samples) "
+        "in 60 s three times, then in 136-139 s from 0.15 epoch on (evaluations 10 s, then 23 "
+        "s); result_5 takes 142 s for every 0.05 epoch; the runs' steps spread 38-45 ms (other "
+        "DLRM rows: under 2%). Something outside the GPUs sets this step (HugeCTR's README asks "
+        "for 13.4 GB/s of storage read bandwidth per 8-GPU node at full speed): not the model's"
+    ),
+}
 REQUIRED = (
     "submitter",
     "system",
@@ -325,10 +336,13 @@ def to_record(row: MlperfRow, row_no: int = 0) -> E2ERecord | GraphRecord | Dlrm
     """The row as a training run on its cluster preset (assumptions in ``defaults``).
 
     Raises:
-        NotRepresented: a benchmark, accelerator or batch layout the model cannot represent.
+        NotRepresented: a benchmark, accelerator or batch layout the model cannot represent,
+            or a row of ``NOT_REPRESENTED_ROWS``.
     """
     if row.benchmark in NOT_REPRESENTED:
         raise NotRepresented(NOT_REPRESENTED[row.benchmark])
+    if (row.submitter, row.system, row.benchmark) in NOT_REPRESENTED_ROWS:
+        raise NotRepresented(NOT_REPRESENTED_ROWS[row.submitter, row.system, row.benchmark])
     cluster_name = cluster_for(row)
     used: list[str] = [f"cluster={cluster_name}"]
     if row.benchmark in PER_GPU_THROUGHPUT:

@@ -58,6 +58,23 @@ from diffcost.specs import ClusterSpec
 GRAPH_DTYPE = jnp.float16
 GRAPH_GRAD_BYTES = 2
 DLRM_PRESET = "dlrm-dcnv2"
+# NVIDIA's HugeCTR trains DLRM-DCNv2 in mixed precision (USE_MIXED_PRECISION=true in every
+# config_*.sh): its embedding collection then exchanges the pooled embeddings and their
+# gradients in 16 bits (``emb_type`` and ``wgrad_type`` half in Model::add of the embedding
+# collection) and Network::exchange_wgrad all-reduces the dense gradients as ncclHalf; the
+# tables stay fp32.
+DLRM_HUGECTR = {"exchange_bytes": 2, "grad_bytes": 2}
+# Evaluation inside the logged DLRM throughput. The single ``tracked_stats`` report of a
+# HugeCTR DLRM run is the samples trained over the whole run, run_start to run_stop, evaluations
+# included (NVIDIA eos_ngc24.04_merlin_hugectr result_0: 0.79989 epoch x 4,195,197,692 samples in
+# 243.13 s = 13.80M/s, the logged 13,802,270; QCT D54U-3U result_5: 0.69990 epoch in 2,349.6 s =
+# 1.2500M/s, the logged 1,249,699). Every 0.05 epoch of the 4,195,197,692 training samples the
+# run evaluates all 89,137,319 evaluation samples (the logged train_samples, eval_samples and
+# eval_start epochs), forward only: 0.425 evaluated samples per trained one.
+DLRM_TRAIN_SAMPLES = 4_195_197_692
+DLRM_EVAL_SAMPLES = 89_137_319
+DLRM_EVAL_EVERY_EPOCH = 0.05
+DLRM_EVAL_PER_TRAIN = DLRM_EVAL_SAMPLES / (DLRM_EVAL_EVERY_EPOCH * DLRM_TRAIN_SAMPLES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +147,13 @@ def dlrm_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> Dlrm
         raise ValueError(f"gradient accumulation {row.grad_accumulation} (DLRM runs 1)")
     if row.global_batch % row.n_gpus:
         raise ValueError(f"global batch {row.global_batch} is not a multiple of {row.n_gpus}")
-    spec = load_dlrm(DLRM_PRESET, {"batch_size": row.global_batch})
+    spec = load_dlrm(DLRM_PRESET, {"batch_size": row.global_batch, **DLRM_HUGECTR})
     used += [f"dlrm={DLRM_PRESET}", f"batch={row.global_batch}", "sharding=greedy planner"]
+    used.append("16-bit embedding exchange and gradient all-reduce (HugeCTR mixed precision)")
+    used.append(
+        f"measured step includes evaluation: {DLRM_EVAL_PER_TRAIN:.3f} forward-only samples "
+        "per trained sample"
+    )
     return DlrmRecord(
         row.benchmark,
         spec,

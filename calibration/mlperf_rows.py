@@ -5,7 +5,9 @@
   ``opgraph.data_parallel.data_parallel_step_s`` per row, vectorized over rows (every row's
   graph is the same model at its own batch, so the per-operator arrays stack);
 * ``DlrmRows``: DLRM runs (``mlperf_models.DlrmRecord``), ``dlrm_cost`` of each row's greedy
-  plan (rows on different GPU counts have differently shaped problems: a loop over rows).
+  plan (rows on different GPU counts have differently shaped problems: a loop over rows), plus
+  the evaluation the logged throughput includes: ``DLRM_EVAL_PER_TRAIN`` times the forward
+  pass per step (an evaluated sample taken to cost what a trained sample's forward does).
 
 Both put the fit's offsets (``mlperf_fit.offsets_of``) on each row's shipped profile.
 """
@@ -19,6 +21,7 @@ from flax import struct
 
 from calibration.mlperf_fit import FamilyOffsets, families_of, offsets_of
 from calibration.mlperf_models import (
+    DLRM_EVAL_PER_TRAIN,
     GRAPH_GRAD_BYTES,
     DlrmRecord,
     GraphRecord,
@@ -115,5 +118,6 @@ class DlrmRows(FamilyOffsets):
         out = []
         for i, (problem, plan) in enumerate(zip(self.problems, self.plans)):
             params = apply_stack(problem.params, offsets_of(raw, self.family[i]))
-            out.append(dlrm_cost(problem.replace(params=params), plan, temperature).iteration_s)
+            cost = dlrm_cost(problem.replace(params=params), plan, temperature)
+            out.append(cost.iteration_s + DLRM_EVAL_PER_TRAIN * cost.forward_s)
         return jnp.log(jnp.stack(out))

@@ -65,6 +65,8 @@ _TOP_KEYS = (
     "cross_rank",
     "embedding_dim",
     "embedding_bytes",
+    "exchange_bytes",
+    "grad_bytes",
     "precision",
     "optimizer",
     "zipf",
@@ -101,6 +103,8 @@ class DlrmSpec:
     embedding_bytes: int = 4
     precision: str = "fp16"
     optimizer: str = "adagrad"
+    exchange_bytes: int | None = None  # None: ``embedding_bytes``
+    grad_bytes: int = 4
 
     @property
     def interaction_width(self) -> int:
@@ -198,6 +202,10 @@ def dlrm_from_tree(tree: Mapping[str, Any], where: str, name: str) -> DlrmSpec:
         optimizer=check_choice(
             tree.get("optimizer", "adagrad"), tuple(OPTIMIZER_STATE), where, "optimizer"
         ),
+        exchange_bytes=None
+        if tree.get("exchange_bytes") is None
+        else check_choice(tree["exchange_bytes"], (2, 4), where, "exchange_bytes"),
+        grad_bytes=check_choice(tree.get("grad_bytes", 4), (2, 4), where, "grad_bytes"),
     )
     width = spec.bottom_mlp[-1]
     for i, t in enumerate(spec.tables):
@@ -250,7 +258,11 @@ def load_dlrm(name_or_path: str | os.PathLike, overrides: Mapping | None = None)
     ``top_mlp`` (layer widths after the input), ``interaction`` (``dcn``: DCNv2 low-rank cross
     layers, ``cross_layers`` of rank ``cross_rank``; ``dot``: pairwise dot products),
     ``embedding_dim`` and ``zipf`` (defaults of the tables), ``embedding_bytes`` (4: fp32
-    tables, 2: 16-bit), ``precision`` of the dense GEMMs, ``optimizer`` of the tables (one of
+    tables, 2: 16-bit), ``exchange_bytes`` (bytes per value of the pooled embeddings and their
+    gradients in the all-to-all; default ``embedding_bytes``; 2 where a mixed-precision
+    implementation exchanges them in 16 bits, as HugeCTR does), ``grad_bytes`` (bytes per value
+    of the dense and replicated-table gradients in the all-reduce; default 4),
+    ``precision`` of the dense GEMMs, ``optimizer`` of the tables (one of
     ``OPTIMIZER_STATE``), and ``tables``: a list of ``{rows, pooling[, dim, zipf, name]}``.
 
     Args:
@@ -310,6 +322,8 @@ class DlrmArrays:
     dense_params: jax.Array
     elementwise_bytes: jax.Array
     embedding_bytes: jax.Array
+    exchange_bytes: jax.Array  # per value of the pooled embeddings and their gradients
+    grad_bytes: jax.Array  # per value of the all-reduced gradients
     optimizer_state: jax.Array  # state parameters per table parameter
     precision: jax.Array  # [n_precisions] one-hot of the dense GEMMs' precision
     l2_bytes: jax.Array
@@ -365,6 +379,10 @@ def dlrm_arrays(spec: DlrmSpec, cluster: ClusterSpec, dtype=None) -> DlrmArrays:
         dense_params=f(sum(n * k + n for n, k in gemms)),
         elementwise_bytes=f(_elementwise_bytes(spec)),
         embedding_bytes=f(spec.embedding_bytes),
+        exchange_bytes=f(
+            spec.embedding_bytes if spec.exchange_bytes is None else spec.exchange_bytes
+        ),
+        grad_bytes=f(spec.grad_bytes),
         optimizer_state=f(OPTIMIZER_STATE[spec.optimizer]),
         precision=f(precision),
         l2_bytes=f(l2_mib * 2**20),

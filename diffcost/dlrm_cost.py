@@ -27,12 +27,16 @@ Per iteration:
   ``ROW_ACCESS_BYTES`` more than the row. The backward's fused optimizer reads and writes each
   looked-up row and its optimizer state;
 * comm: the all-to-all of pooled embeddings (forward) and of their gradients (backward,
-  the same volumes reversed) on ``comm.all_to_all_links_s``, each rank at its own send and
-  receive volume; table-row-wise adds its intra-node reduce-scatter;
+  the same volumes reversed, ``dlrm.exchange_bytes`` per value) on
+  ``comm.all_to_all_links_s``, each rank at its own send and receive volume; table-row-wise
+  adds its intra-node reduce-scatter;
 * the dense part (bottom MLP, interaction, top MLP) runs data parallel on ``B / R`` samples
   per rank (``kernels.gemm_s``), its gradients (and those of data-parallel tables) all-reduced
-  during the embedding backward;
+  in ``dlrm.grad_bytes`` per value during the embedding backward;
 * the slowest rank sets each phase (``smooth.smooth_max`` over ranks).
+
+``DlrmBreakdown.forward_s`` is the forward pass alone (forward lookups, one all-to-all, the
+dense forward and its kernels): what a forward-only pass such as an evaluation costs.
 
 Memory per rank: its table shards with their optimizer state (replicated tables whole, with a
 gradient buffer), the dense part's parameters, gradients and Adagrad state, activations, the
@@ -63,12 +67,14 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "da
 TW, RW, CW, TWRW, DP = range(len(SHARDING_TYPES))
 COLUMN_SHARD_DIM = 32  # columns per column-wise shard (a table of dim 128: 4 shards)
 ROW_ACCESS_BYTES = 32.0  # a random row read moves one more 32-byte sector on average
-GRAD_BYTES = 4.0  # dense and replicated-table gradients are all-reduced in fp32
+GRAD_BYTES = 4.0  # fp32 gradient buffers of the dense part and replicated tables (memory)
 DENSE_STATE = 1.0  # Adagrad state per dense parameter
 ACTIVATION_BYTES = 2.0
 # Kernels per GEMM per iteration: its forward, dgrad and wgrad, each with an elementwise pass.
 LAUNCHES_PER_GEMM = 6
 LAUNCHES_FIXED = 8  # lookup forward and backward, all-to-alls, all-reduce, optimizer
+LAUNCHES_PER_GEMM_FWD = 2  # of those, the forward GEMM and its elementwise pass
+LAUNCHES_FIXED_FWD = 2  # the forward lookup and all-to-all
 
 
 @struct.dataclass
@@ -116,6 +122,7 @@ class DlrmBreakdown:
     comm_s: jax.Array  # forward and backward all-to-alls (slowest rank each)
     dense_s: jax.Array  # dense forward and backward on one rank
     all_reduce_s: jax.Array  # dense and replicated-table gradients
+    forward_s: jax.Array  # the forward pass alone (lookups, all-to-all, dense, its launches)
     rank_lookup_s: jax.Array  # [R] forward + backward lookups per rank
     rank_memory_bytes: jax.Array  # [R]
     memory_peak_bytes: jax.Array
@@ -199,7 +206,7 @@ def table_costs(problem: ShardingProblem) -> TableCosts:
     lookups = (m.batch * t.pooling)[:, None] * copies
     fwd = lookups * (row_bytes + ROW_ACCESS_BYTES) / bandwidth
     bwd = 2.0 * (1.0 + m.optimizer_state) * fwd  # read and write the row and its state
-    pooled = m.batch * t.dim * e  # one pooled vector per sample
+    pooled = m.batch * t.dim * m.exchange_bytes  # one pooled vector per sample
     others = (n - 1.0) / n
     local = pooled / n
     recv = jnp.stack([local * others, local * (n - 1.0), local * others, local * others, 0 * t.dim])
@@ -295,20 +302,21 @@ def dlrm_cost(problem: ShardingProblem, plan: ShardingPlan, temperature=0.0) -> 
     world = comm.place(float(lay.n_ranks), 1.0, c.gpus_per_node)
     links = comm.group_links(world, c, p, temperature)
     a2a_r = smooth.smax2(_a2a_s(send_r, links, p), _a2a_s(recv, links, p), temperature)
-    node_bytes = (w[:, TWRW] * m.batch * m.tables.dim * m.embedding_bytes) @ node_total(
+    node_bytes = (w[:, TWRW] * m.batch * m.tables.dim * m.exchange_bytes) @ node_total(
         plan.ranks, lay
     )
     node_group = comm.place(float(lay.gpus_per_node), 1.0, c.gpus_per_node)
     comm_r = a2a_r + comm.reduce_scatter_s(node_bytes, node_group, c, p, temperature)
-    grad_bytes = m.dense_params * GRAD_BYTES + jnp.sum(
-        w[:, DP] * m.tables.rows * m.tables.dim * GRAD_BYTES
-    )
+    grad_bytes = m.grad_bytes * (m.dense_params + jnp.sum(w[:, DP] * m.tables.rows * m.tables.dim))
     all_reduce = comm.all_reduce_s(grad_bytes, world, c, p, temperature)
     dense_fwd, dense_bwd = _dense_s(problem, temperature)
     lookup_fwd = smooth.smooth_max(fwd_r, temperature=temperature)
     lookup_bwd = smooth.smooth_max(bwd_r, temperature=temperature)
     comm_s = 2.0 * smooth.smooth_max(comm_r, temperature=temperature)
     launches = (LAUNCHES_PER_GEMM * m.gemms.shape[0] + LAUNCHES_FIXED) * p.kernel_overhead_s
+    launches_fwd = (LAUNCHES_PER_GEMM_FWD * m.gemms.shape[0] + LAUNCHES_FIXED_FWD) * (
+        p.kernel_overhead_s
+    )
     iteration = (
         lookup_fwd
         + comm_s
@@ -325,6 +333,7 @@ def dlrm_cost(problem: ShardingProblem, plan: ShardingPlan, temperature=0.0) -> 
         comm_s=comm_s,
         dense_s=dense_fwd + dense_bwd,
         all_reduce_s=all_reduce,
+        forward_s=lookup_fwd + 0.5 * comm_s + dense_fwd + launches_fwd,
         rank_lookup_s=fwd_r + bwd_r,
         rank_memory_bytes=memory_r,
         memory_peak_bytes=smooth.smooth_max(memory_r, temperature=temperature),

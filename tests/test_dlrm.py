@@ -106,6 +106,13 @@ def test_bad_files_name_the_field_and_what_is_valid(tmp_path, change, message):
     assert message in str(err.value)
 
 
+def test_exchange_and_gradient_bytes_default_and_check(tmp_path):
+    spec = load_dlrm(_write(tmp_path, GOOD))
+    assert (spec.exchange_bytes, spec.grad_bytes) == (None, 4)
+    with pytest.raises(ConfigError, match="exchange_bytes=3 is invalid"):
+        load_dlrm(_write(tmp_path, GOOD + "exchange_bytes: 3\n"))
+
+
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ConfigError, match="did you mean 'dlrm-dcnv2'"):
         load_dlrm("dlrm-dcnv3")
@@ -166,6 +173,27 @@ def test_a_table_too_big_for_one_gpu_fits_only_when_split():
     for choice, fits in [(TW, False), (DP, False), (RW, True), (CW, True), (TWRW, True)]:
         out = cost(spec, [TableChoice(choice, 0)])
         assert bool(out.memory_peak_bytes <= out.memory_capacity_bytes) is fits, choice
+
+
+def test_16_bit_exchange_halves_the_all_to_all_and_the_all_reduce():
+    spec = small_spec([table(name=f"t{i}") for i in range(4)])
+    choices = [TableChoice(TW, 0), TableChoice(CW, 2), TableChoice(TWRW, 0), TableChoice(DP, 0)]
+    wide = cost(spec, choices, n_gpus=16)
+    half = cost(dataclasses.replace(spec, exchange_bytes=2, grad_bytes=2), choices, n_gpus=16)
+    assert float(half.comm_s) < float(wide.comm_s)
+    assert float(half.all_reduce_s) < float(wide.all_reduce_s)
+    # the lookups read the same fp32 rows
+    np.testing.assert_allclose(half.rank_lookup_s, wide.rank_lookup_s, rtol=RTOL)
+    # unset, the exchange takes the tables' bytes: an fp32 exchange is the default
+    same = cost(dataclasses.replace(spec, exchange_bytes=4), choices, n_gpus=16)
+    assert float(same.iteration_s) == float(wide.iteration_s)
+
+
+def test_forward_is_part_of_the_iteration():
+    spec = small_spec([table(name=f"t{i}", pooling=1.0 + i) for i in range(4)])
+    out = cost(spec, [TableChoice(TW, i) for i in range(4)])
+    assert 0.0 < float(out.forward_s) < 0.5 * float(out.iteration_s)
+    assert float(out.forward_s) > float(out.lookup_fwd_s) + 0.5 * float(out.comm_s)
 
 
 def test_single_gpu_has_no_communication():
