@@ -8,10 +8,13 @@ priced twice with the cluster's shipped calibrated profile (``diffcost.profiles.
 on the cluster's graph (``diffcost.network.generators.from_cluster`` over the row's nodes,
 ``diffcost.network.cost``) and by the shipped model (``diffcost.comm``), placed as the
 calibration places it. The graph offers NVLink SHARP (``nvls``) on clusters whose switches
-reduce; its two constants, which ``comm`` and so the shipped profiles do not have, are fitted
-per GPU family by ``calibration.network_fit`` on these same tables (all other constants stay
-at the profiles). Prints the MAPE per cluster: the graph with those fitted constants (in
-sample), with them at their datasheet defaults ("prior"), with them fitted on the other half
+reduce and prices the rows of XLA's table as XLA runs them (``cost.collective_pricing(...,
+xla=True)``). The graph path's own constants, which ``comm`` and so the shipped profiles do not
+have (``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
+cluster's ``nvlink_eff`` per cluster, by ``calibration.network_fit`` on these same tables (all
+other constants stay at the profiles). Prints the MAPE per cluster: the graph with those
+fitted constants (in sample), with the graph constants at their datasheet defaults and
+``nvlink_eff`` at the profile ("prior"), with all of them fitted on the other half
 of the sizes ("held-out": two folds by the parity of ``floor(log2(size))``), and ``comm``.
 ``--quick`` keeps every 16th size of the vTrain tables (1,024 sizes per group size);
 ``--cases`` also prints the held-out MAPE and mean signed error of every table (cluster,
@@ -121,7 +124,7 @@ def _odd(table: PricedTable) -> np.ndarray:
 
 
 def _heldout_s(entries: list[dict], fit: SwitchFit) -> list[np.ndarray]:
-    """Each row predicted with switch constants fitted on the rows of the other size-octave
+    """Each row predicted with the graph constants fitted on the rows of the other size-octave
     parity (two folds: even and odd ``floor(log2(size))``)."""
     fitted = {
         parity: fit.fit({id(t): _odd(t) != parity for t in fit.tables}) for parity in (False, True)
@@ -156,8 +159,8 @@ def _case(e: dict, held: np.ndarray) -> dict:
 def measure(quick: bool = False) -> dict:
     """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_prior", "mape_pct_heldout",
     "mape_pct_comm"}}, "graph_constants": {cluster: {name: value}}, "cases": [...]}``: the
-    graph path with the switch constants fitted on all rows (``mape_pct``), at their datasheet
-    defaults (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
+    graph path with its constants fitted on all rows (``mape_pct``), at their defaults and the
+    profiles (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
     ``cases`` the held-out error of each table (``_case``)."""
     entries = _tables(quick)
     fit = SwitchFit(
