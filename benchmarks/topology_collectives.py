@@ -8,10 +8,13 @@ priced twice with the cluster's shipped calibrated profile (``diffcost.profiles.
 on the cluster's graph (``diffcost.network.generators.from_cluster`` over the row's nodes,
 ``diffcost.network.cost``) and by the shipped model (``diffcost.comm``), placed as the
 calibration places it. The graph offers NVLink SHARP (``nvls``) on clusters whose switches
-reduce; its two constants, which ``comm`` and so the shipped profiles do not have, are fitted
-per GPU family by ``calibration.network_fit`` on these same tables (all other constants stay
-at the profiles). Prints the MAPE per cluster: the graph with those fitted constants (in
-sample), with them at their datasheet defaults ("prior"), with them fitted on the other half
+reduce and prices the rows of XLA's table as XLA runs them (``cost.collective_pricing(...,
+xla=True)``). The graph path's own constants, which ``comm`` and so the shipped profiles do not
+have (``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
+cluster's ``nvlink_eff`` per cluster, by ``calibration.network_fit`` on these same tables (all
+other constants stay at the profiles). Prints the MAPE per cluster: the graph with those
+fitted constants (in sample), with the graph constants at their datasheet defaults and
+``nvlink_eff`` at the profile ("prior"), with all of them fitted on the other half
 of the sizes ("held-out": two folds by the parity of ``floor(log2(size))``), and ``comm``.
 ``--quick`` keeps every 16th size of the vTrain tables (1,024 sizes per group size);
 ``--cases`` also prints the held-out MAPE and mean signed error of every table (cluster,
@@ -33,7 +36,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from calibration.network_fit import PricedTable, SwitchFit  # noqa: E402
+from calibration.network_fit import (  # noqa: E402
+    GRAPH_CLUSTER_CONSTANTS,
+    GRAPH_CONSTANTS,
+    PricedTable,
+    SwitchFit,
+)
 from calibration.readers import read_collectives_csv  # noqa: E402
 from diffcost import comm, profiles  # noqa: E402
 from diffcost.arrays import cluster_arrays  # noqa: E402
@@ -45,6 +53,7 @@ from diffcost.network.generators import from_cluster  # noqa: E402
 DATA = ROOT.parent / "shared" / "data" / "collectives" / "collectives.csv"
 MIN_BYTES = 2**20
 PRICED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+XLA_SOURCE = "xla_collective_perf_table"  # priced as XLA times it (``cost.CollectivePricing.xla``)
 TEMPERATURE = 1e-3
 
 
@@ -61,20 +70,25 @@ def _graph_price(op, rec, cluster):
     """``(params, sizes) -> seconds`` on the cluster's graph, and whether ``nvls`` is offered."""
     nodes = rec.n_nodes * rec.n_groups if rec.n_nodes > 1 else 1
     topology = from_cluster(cluster, nodes)
-    pricing = cost.collective_pricing(topology, op, rec.group_size, rec.n_groups)
+    pricing = cost.collective_pricing(
+        topology, op, rec.group_size, rec.n_groups, xla=rec.source_name == XLA_SOURCE
+    )
     capacity = jnp.asarray(topology.capacity_Bps)
     one = lambda p, m: cost.collective_time_s(pricing, m, capacity, p, TEMPERATURE)  # noqa: E731
     return jax.jit(jax.vmap(one, in_axes=(None, 0))), "nvls" in pricing.names
 
 
 def _cases(quick: bool) -> dict:
-    """``{(cluster, op, group_size, n_groups): [records]}`` of the rows priced."""
+    """``{(cluster, op, group_size, n_groups, per_node, source): [records]}`` of the rows
+    priced."""
     rows = read_collectives_csv(DATA).collectives
     cases = collections.defaultdict(list)
     for r in rows:
         if r.size_bytes < MIN_BYTES or r.collective not in PRICED or r.group_size < 2:
             continue
-        cases[(r.cluster, r.collective, r.group_size, r.n_groups, r.per_node)].append(r)
+        cases[
+            (r.cluster, r.collective, r.group_size, r.n_groups, r.per_node, r.source_name)
+        ].append(r)
     if quick:
         cases = {k: v if len(v) < 100 else v[::16] for k, v in cases.items()}
     return cases
@@ -82,7 +96,7 @@ def _cases(quick: bool) -> dict:
 
 def _tables(quick: bool) -> list[dict]:
     """Every case priced: its ``PricedTable``, whether NVLS is offered, ``comm``'s times, and
-    the case's key ``(cluster, collective, group_size, n_groups, per_node)``."""
+    the case's key ``(cluster, collective, group_size, n_groups, per_node, source)``."""
     out, params_of = [], {}
     for key, recs in sorted(_cases(quick).items()):
         name, op = key[:2]
@@ -110,7 +124,7 @@ def _odd(table: PricedTable) -> np.ndarray:
 
 
 def _heldout_s(entries: list[dict], fit: SwitchFit) -> list[np.ndarray]:
-    """Each row predicted with switch constants fitted on the rows of the other size-octave
+    """Each row predicted with the graph constants fitted on the rows of the other size-octave
     parity (two folds: even and odd ``floor(log2(size))``)."""
     fitted = {
         parity: fit.fit({id(t): _odd(t) != parity for t in fit.tables}) for parity in (False, True)
@@ -121,7 +135,7 @@ def _heldout_s(entries: list[dict], fit: SwitchFit) -> list[np.ndarray]:
         times = np.zeros(len(t.sizes))
         for parity in (False, True):
             rows = _odd(t) == parity
-            params = profiles.apply_values(t.params, fitted[parity].get(t.family, {}))
+            params = profiles.apply_values(t.params, fitted[parity][t.cluster])
             times[rows] = np.asarray(t.price(params, jnp.asarray(t.sizes[rows])))
         out.append(times)
     return out
@@ -144,19 +158,21 @@ def _case(e: dict, held: np.ndarray) -> dict:
 
 def measure(quick: bool = False) -> dict:
     """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_prior", "mape_pct_heldout",
-    "mape_pct_comm"}}, "switch_constants": {family: {name: value}}, "cases": [...]}``: the
-    graph path with the switch constants fitted on all rows (``mape_pct``), at their datasheet
-    defaults (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
+    "mape_pct_comm"}}, "graph_constants": {cluster: {name: value}}, "cases": [...]}``: the
+    graph path with its constants fitted on all rows (``mape_pct``), at their defaults and the
+    profiles (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
     ``cases`` the held-out error of each table (``_case``)."""
     entries = _tables(quick)
-    fit = SwitchFit([e["table"] for e in entries if e["switch"]])
+    fit = SwitchFit(
+        [e["table"] for e in entries], GRAPH_CONSTANTS, cluster_names=GRAPH_CLUSTER_CONSTANTS
+    )
     fitted = fit.fit()
     heldout = _heldout_s(entries, fit)
     errors = collections.defaultdict(lambda: collections.defaultdict(list))
     for e, held in zip(entries, heldout):
         t = e["table"]
         sizes = jnp.asarray(t.sizes)
-        fit_params = profiles.apply_values(t.params, fitted.get(t.family, {}))
+        fit_params = profiles.apply_values(t.params, fitted[t.cluster])
         for key, pred in (
             ("mape_pct", t.price(fit_params, sizes)),
             ("mape_pct_prior", t.price(t.params, sizes)),
@@ -170,7 +186,7 @@ def measure(quick: bool = False) -> dict:
         for name, errs in sorted(errors.items())
     }
     cases = [_case(e, held) for e, held in zip(entries, heldout)]
-    return {"collectives": out, "switch_constants": fitted, "cases": cases}
+    return {"collectives": out, "graph_constants": fitted, "cases": cases}
 
 
 def main(argv=None) -> None:
@@ -189,8 +205,8 @@ def main(argv=None) -> None:
             f"{name:22} {r['rows']:6d} {r['mape_pct']:7.2f} {r['mape_pct_prior']:7.2f} "
             f"{r['mape_pct_heldout']:9.2f} {r['mape_pct_comm']:7.2f}"
         )
-    for family, values in result["switch_constants"].items():
-        print(f"{family}: " + ", ".join(f"{k} = {v:.4g}" for k, v in values.items()))
+    for cluster, values in result["graph_constants"].items():
+        print(f"{cluster}: " + ", ".join(f"{k} = {v:.4g}" for k, v in values.items()))
     if args.cases:
         print(f"{'cluster':22} {'collective':15} {'group':>5} {'x':>3} {'held-out':>9} {'bias':>7}")
         for c in result["cases"]:

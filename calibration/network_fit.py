@@ -2,9 +2,11 @@
 
 ``calibration.fit`` fits every constant ``diffcost.comm`` uses; the in-switch reduction's
 constants (``SWITCH_CONSTANTS``: NVLink SHARP's efficiency as a share of the cluster's
-``nvlink_eff`` and its fixed cost per call) enter only the graph path, so the joint fit leaves
-them at their prior. This fits them per GPU family (they are device constants) on tables priced
-on the graph, with everything else held at the clusters' profiles: the same robust penalty on
+``nvlink_eff`` and its fixed cost per call) and the XLA tables' chunk pass (``chunk_pass_Bps``)
+enter only the graph path, so the joint fit leaves them at their prior. This fits such device
+constants per GPU family, and optionally cluster constants per cluster (``nvlink_eff``, which
+``comm``'s fit set without them), on tables priced on the graph, with everything else held at
+the clusters' profiles: the same robust penalty on
 ``log(predicted / measured)`` as the joint fit (Huber turning into Cauchy,
 ``FitConfig.redescend``) plus the same Gaussian prior around the datasheet defaults
 (``Constant.prior_sd``, ``FitConfig.prior_weight``), by Adam.
@@ -24,6 +26,17 @@ from calibration.fit import FitConfig, robust_penalty
 from diffcost.params import CONSTANT, Params, raw_default
 
 SWITCH_CONSTANTS = ("nvls_ratio", "nvls_latency_s")
+# What ``benchmarks/topology_collectives.py`` fits: per GPU family the switch constants and
+# the XLA tables' chunk pass and send/recv curve; per cluster its NVLink efficiency (the
+# profiles' value was fitted by ``diffcost.comm``, whose one ring bandwidth per cluster absorbs
+# the chunk pass).
+GRAPH_CONSTANTS = (
+    *SWITCH_CONSTANTS,
+    "chunk_pass_Bps",
+    "chunk_reduce_Bps",
+    "sendrecv_half_bw_bytes",
+)
+GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,9 +59,20 @@ class PricedTable:
     params: Params
 
 
+def _check(names, level: str) -> list:
+    unknown = [n for n in names if n not in CONSTANT]
+    if unknown:
+        raise ValueError(f"unknown constants {unknown}: expected names of diffcost.params")
+    wrong = [n for n in names if CONSTANT[n].level != level]
+    if wrong:
+        raise ValueError(f"constants {wrong} are not {level} constants (diffcost.params)")
+    return [CONSTANT[n] for n in names]
+
+
 class SwitchFit:
-    """The fit of ``names`` per GPU family of ``tables``, compiled once per family (the whole
-    Adam run in one program) and run for any row weights (``fit``).
+    """The fit of ``names`` per GPU family of ``tables`` and of ``cluster_names`` per cluster,
+    compiled once per family (the whole Adam run in one program, the family's clusters in it)
+    and run for any row weights (``fit``).
 
     Every row of weight 1 weighs the same; the prior is ``cfg.prior_weight`` times the squared
     distance of each raw constant from its datasheet default in units of its prior width, as
@@ -56,7 +80,8 @@ class SwitchFit:
     ``cfg.redescend`` of ``steps``.
 
     Raises:
-        ValueError: an unknown constant name.
+        ValueError: an unknown constant name, or one of another level (``names`` are device
+            constants, ``cluster_names`` cluster constants).
     """
 
     def __init__(
@@ -66,12 +91,11 @@ class SwitchFit:
         cfg: FitConfig | None = None,
         steps: int = 200,
         learning_rate: float = 0.05,
+        cluster_names: tuple[str, ...] = (),
     ):
-        unknown = [n for n in names if n not in CONSTANT]
-        if unknown:
-            raise ValueError(f"unknown constants {unknown}: expected names of diffcost.params")
         self.tables = list(tables)
-        self.constants = [CONSTANT[n] for n in names]
+        self.constants = _check(names, "device")
+        self.cluster_constants = _check(cluster_names, "cluster")
         self.cfg = dataclasses.replace(cfg or FitConfig(), steps=steps)
         self.learning_rate = learning_rate
         self.families = sorted({t.family for t in self.tables})
@@ -79,18 +103,24 @@ class SwitchFit:
 
     def _compile(self, family: str):
         mine = [t for t in self.tables if t.family == family]
-        leaves = tuple(c.leaf for c in self.constants)
-        raw0 = jnp.stack([raw_default(c) for c in self.constants])
-        width = jnp.asarray([c.prior_sd for c in self.constants])
+        clusters = sorted({t.cluster for t in mine})
+        per = self.constants + self.cluster_constants * len(clusters)
+        n_dev, n_cl = len(self.constants), len(self.cluster_constants)
+        leaves = [c.leaf for c in self.constants]
+        cl_leaves = [c.leaf for c in self.cluster_constants]
+        raw0 = jnp.stack([raw_default(c) for c in per])
+        width = jnp.asarray([c.prior_sd for c in per])
         cfg, opt = self.cfg, optax.adam(self.learning_rate)
         lo, hi = (f * cfg.steps for f in cfg.redescend)
         sizes = [jnp.asarray(t.sizes, dtype=float) for t in mine]
         log_meas = [jnp.log(jnp.asarray(t.measured_s, dtype=float)) for t in mine]
+        first = [n_dev + n_cl * clusters.index(t.cluster) for t in mine]
 
         def loss(raw, redescend, weights):
             total, rows = 0.0, 0.0
-            for t, size, meas, w in zip(mine, sizes, log_meas, weights):
-                resid = jnp.log(t.price(t.params.replace(**dict(zip(leaves, raw))), size)) - meas
+            for t, size, meas, w, k in zip(mine, sizes, log_meas, weights, first):
+                values = dict(zip(leaves, raw[:n_dev])) | dict(zip(cl_leaves, raw[k : k + n_cl]))
+                resid = jnp.log(t.price(t.params.replace(**values), size)) - meas
                 total = total + jnp.sum(w * robust_penalty(resid, cfg.huber_delta, redescend))
                 rows = rows + jnp.sum(w)
             prior = jnp.sum(jnp.square((raw - raw0) / width))
@@ -105,26 +135,32 @@ class SwitchFit:
 
             return jax.lax.fori_loop(0, cfg.steps, step, (raw0, opt.init(raw0)))[0]
 
-        return jax.jit(run), mine
+        return jax.jit(run), mine, clusters
 
     def fit(self, keep: dict | None = None) -> dict[str, dict[str, float]]:
-        """``{family: {name: constrained value}}`` fitted on the rows ``keep[id(table)]``
-        (``[rows]`` booleans; default every row) of each family's tables."""
+        """``{cluster: {name: constrained value}}``: each cluster's own constants and its
+        family's, fitted on the rows ``keep[id(table)]`` (``[rows]`` booleans; default every
+        row) of each family's tables."""
         keep = keep or {}
+        squash = {"log": np.exp, "logit": lambda x: 1.0 / (1.0 + np.exp(-x))}
+        n_dev, n_cl = len(self.constants), len(self.cluster_constants)
         out = {}
-        for family, (run, mine) in self._runs.items():
+        for run, mine, clusters in self._runs.values():
             weights = tuple(
                 jnp.asarray(keep.get(id(t), np.ones(len(t.sizes), bool)), dtype=float) for t in mine
             )
             with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 step count in
                 raw = np.asarray(run(weights))
-            squash = {"log": np.exp, "logit": lambda x: 1.0 / (1.0 + np.exp(-x))}
-            out[family] = {
-                c.name: float(squash[c.transform](r)) for c, r in zip(self.constants, raw)
-            }
+            device = {c.name: float(squash[c.transform](r)) for c, r in zip(self.constants, raw)}
+            for i, cluster in enumerate(clusters):
+                own = raw[n_dev + n_cl * i : n_dev + n_cl * (i + 1)]
+                out[cluster] = device | {
+                    c.name: float(squash[c.transform](r))
+                    for c, r in zip(self.cluster_constants, own)
+                }
         return out
 
 
 def fit_switch_constants(tables: list[PricedTable], **kwargs) -> dict[str, dict[str, float]]:
-    """``SwitchFit(tables, **kwargs).fit()``: the constants fitted on every row."""
+    """``SwitchFit(tables, **kwargs).fit()``: the constants fitted on every row, per cluster."""
     return SwitchFit(tables, **kwargs).fit()

@@ -118,6 +118,19 @@ class Constant:
 # protocol, 25 us; the ring's is 3.4 us per step). Both are device constants (the NVSwitch
 # generation comes with the GPU family). ``diffcost.comm`` does not use them (the graph path and
 # ``calibration.network_fit`` do), so the joint fit leaves them at their prior.
+# XLA's collective table (``shared/data`` README: each XLA-emitted collective timed alone)
+# takes longer over small groups than NCCL's ring does: all-gather, reduce-scatter and
+# all-reduce over 2, 4 and 8 H100 or B200 fit the ring at one bandwidth for every group size
+# plus a time proportional to each rank's chunk ``msg / n`` (``diffcost.network.cost``'s
+# ``xla``). ``chunk_pass_Bps`` is the rate of that pass in all-gather, ``chunk_reduce_Bps`` in
+# reduce-scatter and all-reduce (over 2, 4, 8 H100 the two rates differ by 2x; on B200 they
+# do not); the default is the order of a GPU-local pass over a buffer on a few SMs (as
+# ``reduce_Bps``), one e-fold wide. Only the graph path uses them, for tables that declare
+# it, and ``calibration.network_fit`` fits them.
+# The same tables' all-to-all (XLA runs it as grouped NCCL sends and receives) runs below the
+# ring's bandwidth up to tens of MiB where all-gather over the same GPUs does not:
+# ``sendrecv_half_bw_bytes`` is how much later its small-message curve reaches half the
+# bandwidth, defaulting to the collectives' own ``half_bw_bytes`` (1 MiB), 1.5 e-folds wide.
 # Datasheet-style defaults, constrained values. Sources: NVIDIA's published large-GEMM
 # throughput (~75-85% of dense peak for bf16 on A100/H100), nccl-tests bus bandwidth on
 # DGX systems (~80% of NVLink per-direction peak), Adam in mixed precision (fp32 master
@@ -215,6 +228,13 @@ CONSTANTS = (
        "NVLink SHARP efficiency over NVLink efficiency", "%", 100.0),
     _C("nvls_latency_s", "nvls_latency_log_s", "log", 25e-6, 1.0, "device",
        "NVLink SHARP latency", "µs", 1e6),
+    _C("chunk_pass_Bps", "chunk_pass_log_Bps", "log", 1e12, 1.0, "device",
+       "unpipelined pass over a rank's chunk (XLA tables)", "GB/s", 1e-9),
+    _C("chunk_reduce_Bps", "chunk_reduce_log_Bps", "log", 1e12, 1.0, "device",
+       "unpipelined pass over a rank's chunk, reducing collectives (XLA tables)", "GB/s", 1e-9),
+    _C("sendrecv_half_bw_bytes", "sendrecv_half_bw_log_bytes", "log", 1.0 * 2**20, 1.5,
+       "device", "grouped send/recv half-bandwidth message, beyond the collectives' (XLA)",
+       "MiB", 2.0**-20),
     _C("gemm_shape_eff", "gemm_shape_log_eff", "log", None, 0.3, "device",
        "GEMM shape efficiency factor", shape=(len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3),
     _C("layer_shape_time", "layer_shape_log_time", "log", None, 0.3, "device",

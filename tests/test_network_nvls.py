@@ -105,6 +105,6 @@ def test_fit_recovers_known_switch_constants():
     )
     sizes = 2.0 ** np.arange(14, 34)
     table = PricedTable("t", "h100", price, sizes, np.asarray(price(truth, sizes)), params)
-    fitted = fit_switch_constants([table], steps=400)["h100"]
+    fitted = fit_switch_constants([table], steps=400)["t"]
     assert fitted["nvls_ratio"] == pytest.approx(0.6, rel=0.02)
     assert fitted["nvls_latency_s"] == pytest.approx(15e-6, rel=0.05)

@@ -17,7 +17,11 @@ the link capacities and the calibrated ``Params``) prices them:
 * NCCL's choice is a smooth minimum over the algorithms (``diffcost.smooth``); a reducing
   collective adds the GPU's pass over the buffer (``reduce_Bps``) to every algorithm that
   reduces on the GPUs, and every call ``collective_overhead_s``, as
-  ``diffcost.comm.collective_s`` does;
+  ``diffcost.comm.collective_s`` does; a pricing built with ``xla`` (XLA's collective table)
+  also adds a pass over each rank's chunk, ``msg_bytes / n`` at ``chunk_pass_Bps`` (or
+  ``chunk_reduce_Bps`` for a reducing collective), to the algorithms that run on the GPUs,
+  and moves the small-message curve of all-to-all's grouped sends and receives by
+  ``sendrecv_half_bw_bytes``;
 * ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
   reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
   receives the result (``nvls_phases``), over its NVLink links at ``nvls_ratio * nvlink_eff``
@@ -63,6 +67,9 @@ NVLS_SHARES = {
 # NCCL's pipelined trees reach about 2/3 of the bandwidth their link loads allow, the factor
 # ``diffcost.comm`` applies to its tree (its chunks wait on the reduction up the tree).
 TREE_BW_PENALTY = 1.5
+# Collectives whose XLA-measured times carry a pass over each rank's chunk (``xla``).
+CHUNK_PASS_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+SENDRECV_ALGORITHMS = ("pairwise",)  # XLA runs all-to-all as grouped sends and receives
 MAX_CYCLE_SEARCH = 8  # groups up to this size search Hamiltonian cycle packings
 _ZERO_BYTES = 1.0
 
@@ -102,6 +109,12 @@ class CollectivePricing:
         latency_s: ``[L]`` the links' latencies as the topology gives them.
         group_size: ranks per group.
         algorithms: one ``AlgorithmArrays`` per name in ``names``.
+        xla: 1.0 for a collective as XLA's table times it, else 0.0: every algorithm of a
+            collective in ``CHUNK_PASS_COLLECTIVES`` that runs on the GPUs also pays a pass
+            over each rank's chunk, ``msg / group_size`` at ``chunk_pass_Bps`` (all-gather)
+            or ``chunk_reduce_Bps`` (reduce-scatter, all-reduce), and the
+            grouped sends and receives (``SENDRECV_ALGORITHMS``) reach half their bandwidth
+            ``sendrecv_half_bw_bytes`` later than the collectives' ``half_bw_bytes``.
         names, collective: static.
     """
 
@@ -110,6 +123,7 @@ class CollectivePricing:
     latency_s: jax.Array
     group_size: float
     algorithms: tuple
+    xla: float = 0.0
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -270,7 +284,12 @@ def link_classes(topology: Topology) -> np.ndarray:
 
 
 def collective_pricing(
-    topology: Topology, collective: str, group_size: int, n_groups: int = 1, algorithms=None
+    topology: Topology,
+    collective: str,
+    group_size: int,
+    n_groups: int = 1,
+    algorithms=None,
+    xla: bool = False,
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
     consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
@@ -282,6 +301,7 @@ def collective_pricing(
         group_size, n_groups: the groups (all run concurrently).
         algorithms: names to choose from; default ``default_algorithms``. With the default,
             an algorithm the placement cannot run (hierarchical over uneven domains) is left out.
+        xla: price the collective as XLA's table times it (``CollectivePricing.xla``).
 
     Raises:
         ValueError: an unknown collective or algorithm, too few endpoints, or a group of one.
@@ -307,7 +327,8 @@ def collective_pricing(
         except ValueError:
             if algorithms is not None:
                 raise
-    return _stack(full, link_ids, phases, group_size, collective)
+    pricing = _stack(full, link_ids, phases, group_size, collective)
+    return pricing.replace(xla=float(xla))
 
 
 def _phases(topology, groups, collective, name) -> list[Phase]:
@@ -415,9 +436,17 @@ def _present(msg_bytes):
 
 
 def _algorithm_s(
-    alg: AlgorithmArrays, msg_bytes, capacity, latency, params, temperature, fn, pipelined
+    alg: AlgorithmArrays,
+    msg_bytes,
+    capacity,
+    latency,
+    params,
+    temperature,
+    fn,
+    pipelined,
+    late_bytes=0.0,
 ):
-    step_bytes = msg_bytes + params.half_bw_bytes * _present(msg_bytes)
+    step_bytes = msg_bytes + (params.half_bw_bytes + late_bytes) * _present(msg_bytes)
 
     def phase(incidence, frac, steps, latency_steps):
         t = fn(incidence, capacity, frac * step_bytes, temperature)
@@ -473,18 +502,23 @@ def collective_time_s(
             (a link used by two phases carries both; links of different phases overlap);
             False: the phases' times add.
     """
-    reduce_s = 0.0
+    # the GPUs' own passes: the reduction, and XLA's pass over each rank's chunk
+    gpu_s = 0.0
+    if pricing.collective in CHUNK_PASS_COLLECTIVES:
+        rate = params.chunk_reduce_Bps if pricing.collective in REDUCES else params.chunk_pass_Bps
+        gpu_s = pricing.xla * msg_bytes / (pricing.group_size * rate)
     if pricing.collective in REDUCES:
-        reduce_s = TRAFFIC[pricing.collective] / 2.0 * msg_bytes / params.reduce_Bps
+        gpu_s = gpu_s + TRAFFIC[pricing.collective] / 2.0 * msg_bytes / params.reduce_Bps
     times = []
-    for alg in pricing.algorithms:
+    for name, alg in zip(pricing.names, pricing.algorithms):
         capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch)
+        late = pricing.xla * params.sendrecv_half_bw_bytes if name in SENDRECV_ALGORITHMS else 0.0
         t = _algorithm_s(
-            alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined
+            alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined, late
         )
-        # an in-switch reduction skips the GPU's pass and pays the switch's setup per call
+        # an in-switch reduction skips the GPU's passes and pays the switch's setup per call
         switch_s = params.nvls_latency_s * _present(msg_bytes)
-        times.append(t + (1.0 - alg.in_switch) * reduce_s + alg.in_switch * switch_s)
+        times.append(t + (1.0 - alg.in_switch) * gpu_s + alg.in_switch * switch_s)
     best = times[0]
     if len(times) > 1:
         best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)
