@@ -7,7 +7,8 @@ kernel efficiencies, host work per op and microbatch, how much of it hides, per-
 overhead. ``fit_offsets`` fits those offsets (``FITTED_EFFECTS``: ``STACK_EFFECTS`` and the
 per-kernel time, one raw offset each, on top of each row's shipped profile and stack), plus
 one GEMM-efficiency offset per GPU family (the device level: the shipped profiles have none for
-L40S and H200), to the rows of one half; the other half is predicted with them. A row set is
+L40S; the H200, the H100's die, shares the H100's offset as it shares its device profile), to
+the rows of one half; the other half is predicted with them. A row set is
 ``Rows`` (the transformer core's ``simulate``) or one of ``calibration.mlperf_rows``'
 (operator-graph and DLRM rows): anything with ``log_times(raw, temperature)``,
 ``n_offsets`` and ``log_meas``.
@@ -34,7 +35,7 @@ from flax import struct
 from calibration.fit import FitConfig, robust_penalty
 from calibration.records import E2ERecord
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
-from diffcost.gpus import gpu_family
+from diffcost.gpus import FAMILY_PARENT, gpu_family
 from diffcost.profiles import params_for
 from diffcost.simulate import simulate
 from diffcost.stacks import STACK_EFFECTS, StackEffect, apply_stack
@@ -111,8 +112,12 @@ class Rows(FamilyOffsets):
 
 
 def families_of(records) -> tuple[np.ndarray, tuple[str, ...]]:
-    """(index of each record's GPU family in the sorted families, the families)."""
+    """(index of each record's GPU family in the sorted families, the families).
+
+    A family with a parent of the same compute die (``FAMILY_PARENT``: the H200 is the H100's
+    die with HBM3e) shares its parent's offset, as it shares its device profile."""
     fams = [gpu_family(r.cluster.gpu.name) for r in records]
+    fams = [FAMILY_PARENT.get(f, f) for f in fams]
     families = tuple(sorted(set(fams)))
     return np.array([families.index(f) for f in fams]), families
 

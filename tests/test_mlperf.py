@@ -199,6 +199,17 @@ def test_submitter_halves_keep_each_submitter_on_one_side():
     assert (halves == submitter_halves(subs)).all()  # seeded
 
 
+def test_a_gpu_shares_the_family_offset_of_its_parent_die():
+    presets = ("dgx-h200", "dgx-h100", "pcie-l40s")
+    records = [
+        E2ERecord(GPT, PLANS["dp8"], config.load_cluster(c), 1.0, "synthetic", i, (), None)
+        for i, c in enumerate(presets)
+    ]
+    family, families = fit.families_of(records)
+    assert families == ("h100", "l40")  # the H200 is the H100's die (gpus.FAMILY_PARENT)
+    assert list(family) == [0, 0, 1]
+
+
 def test_the_fit_recovers_offsets_that_generated_the_times():
     """Rows whose 'measured' times are the model's own at known offsets: the fit on half of
     them removes at least half of the error on every row, held out or not (the priors, two
