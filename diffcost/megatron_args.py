@@ -172,6 +172,8 @@ def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
     share = 1.0
     if recompute == "full" and values.get("recompute_method") == "block":
         share = min(1.0, num("recompute_num_layers", 1) * pp * chunks / model.n_layers)
+        if share <= 0.0:  # no layer checkpointed
+            recompute, share = "none", 1.0
     return PlanSpec(
         tp=tp,
         pp=pp,

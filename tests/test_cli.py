@@ -109,13 +109,16 @@ def test_megatron_args_gradient_precision(flags, fp32):
         ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", 1.0),
         ("--recompute-granularity full --recompute-method block --recompute-num-layers 2", 0.5),
         ("--recompute-granularity full --recompute-method block --recompute-num-layers 9", 1.0),
+        ("--recompute-granularity full --recompute-method block --recompute-num-layers 0", 1.0),
     ],
 )
 def test_megatron_args_block_recompute_covers_n_layers_per_stage(flags, share):
-    """8 layers on 2 stages: block recompute of 2 layers per stage is half the layers."""
+    """8 layers on 2 stages: block recompute of 2 layers per stage is half the layers; of 0
+    layers, no recompute."""
     base = "--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
     _, plan, ignored = parse_megatron_args(base + "--pipeline-model-parallel-size 2 " + flags, 4)
-    assert (plan.recompute, plan.recompute_fraction, ignored) == ("full", share, [])
+    mode = "none" if flags.endswith(" 0") else "full"
+    assert (plan.recompute, plan.recompute_fraction, ignored) == (mode, share, [])
 
 
 def test_megatron_args_errors():
