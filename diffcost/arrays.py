@@ -211,9 +211,9 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
 def _recompute_leaf(plan: PlanSpec, f):
     """Probabilities of none / selective / full: ``recompute`` on ``recompute_fraction`` of the
     layers, none on the rest (time and saved activations are linear in them)."""
-    share = plan.recompute_fraction
-    mode = _one_hot(specs.RECOMPUTE_MODES.index(plan.recompute), len(specs.RECOMPUTE_MODES))
-    return f(share * mode + (1.0 - share) * _one_hot(0, len(specs.RECOMPUTE_MODES)))
+    menu, share = specs.RECOMPUTE_MODES, plan.recompute_fraction
+    mode, none = (_one_hot(menu.index(m), len(menu)) for m in (plan.recompute, "none"))
+    return f(share * mode + (1.0 - share) * none)
 
 
 def lora_leaves(rank: int | None, modules: str, f=None, n: int | None = None) -> dict:
