@@ -14,9 +14,10 @@ jax, optax and numpy are installed). Writes, under ``--out``:
   forward-plus-backward program's time minus the forward's.
 * ``e2e.csv``: GPT training steps (pre-LayerNorm, GELU MLP of 4 x hidden, tied embeddings,
   fp32 master weights and AdamW state, bf16 matrix products, layers under ``lax.scan``), in
-  the ``calibration.csv`` format with ``measured_peak_mem_gib`` added: XLA's buffer assignment
-  of the compiled step (arguments + outputs + temporaries - aliased), which is what the
-  program allocates on the device beside the allocator's own slack.
+  the ``calibration.csv`` format with ``measured_peak_mem_gib`` added (``--e2e-set`` picks one
+  of ``E2E_SETS``): XLA's buffer assignment of the compiled step (arguments + outputs +
+  temporaries - aliased), which is what the program allocates on the device beside the
+  allocator's own slack.
 * ``meta.json``: device, software versions, the command line, the date.
 
 Times are the median of three batches of back-to-back calls after warm-up, each batch at least
@@ -99,6 +100,16 @@ E2E_MORE = (
     ("GPT-h3072-L16", 16, 3072, 24, 2048, 2, "none"),
     ("GPT-h4096-L12", 12, 4096, 32, 2048, 4, "full"),
 )
+# A third set (``--e2e-set recompute``): full recompute at the microbatches of runs without.
+E2E_RECOMPUTE = (
+    ("GPT-h1024-L24", 24, 1024, 16, 2048, 4, "full"),
+    ("GPT-h1024-L24", 24, 1024, 16, 2048, 16, "full"),
+    ("GPT-h2048-L24", 24, 2048, 16, 2048, 2, "full"),
+    ("GPT-h2048-L24", 24, 2048, 16, 2048, 4, "full"),
+    ("GPT-h2560-L32", 32, 2560, 32, 2048, 2, "full"),
+    ("GPT-h4096-L12", 12, 4096, 32, 2048, 2, "full"),
+)
+E2E_SETS = {"base": E2E_CONFIGS, "more": E2E_MORE, "recompute": E2E_RECOMPUTE}
 VOCAB = 51200
 QUICK_SCALE = 16  # --quick divides sizes by this (a CPU smoke run)
 
@@ -354,7 +365,7 @@ def _model_flops(layers, h, s, vocab, tokens):
 
 
 def e2e_rows(run, scale: int):
-    configs = E2E_MORE if run.args.e2e_set == "more" else E2E_CONFIGS
+    configs = E2E_SETS[run.args.e2e_set]
     for name, layers, hidden, heads, seq, mb, recompute in configs:
         h, s = hidden // scale, max(64, seq // scale)
         layers_ = max(2, layers // scale)
@@ -477,7 +488,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=420.0, help="skip what starts later")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per config")
     p.add_argument("--only", default="kernels,e2e", help="kernels, e2e or both")
-    p.add_argument("--e2e-set", choices=("base", "more"), default="base", help="e2e configs")
+    p.add_argument("--e2e-set", choices=tuple(E2E_SETS), default="base", help="e2e configs")
     p.add_argument("--quick", action="store_true", help="sizes / 16: a CPU smoke run")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -64,4 +64,4 @@ def test_dispatch_bound_rows_left_out(tiny, monkeypatch, tmp_path):
 def test_h100_measurements_read():
     meas = load(_DIR / "results" / "h100")
     counts = (len(meas.gemms), len(meas.attention), len(meas.memory), len(meas.e2e))
-    assert counts == (41, 32, 3, 18) and not meas.skipped
+    assert counts == (41, 32, 3, 24) and not meas.skipped
