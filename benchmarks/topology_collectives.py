@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from calibration.network_fit import (  # noqa: E402
     GRAPH_CLUSTER_CONSTANTS,
     GRAPH_CONSTANTS,
+    TRANSPORT_CONSTANTS,
     PricedTable,
     SwitchFit,
 )
@@ -71,7 +72,12 @@ def _graph_price(op, rec, cluster):
     nodes = rec.n_nodes * rec.n_groups if rec.n_nodes > 1 else 1
     topology = from_cluster(cluster, nodes)
     pricing = cost.collective_pricing(
-        topology, op, rec.group_size, rec.n_groups, xla=rec.source_name == XLA_SOURCE
+        topology,
+        op,
+        rec.group_size,
+        rec.n_groups,
+        xla=rec.source_name == XLA_SOURCE,
+        transport=cluster.transport,
     )
     capacity = jnp.asarray(topology.capacity_Bps)
     one = lambda p, m: cost.collective_time_s(pricing, m, capacity, p, TEMPERATURE)  # noqa: E731
@@ -163,8 +169,12 @@ def measure(quick: bool = False) -> dict:
     profiles (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
     ``cases`` the held-out error of each table (``_case``)."""
     entries = _tables(quick)
+    transports = {e["table"].cluster: load_cluster(e["table"].cluster).transport for e in entries}
     fit = SwitchFit(
-        [e["table"] for e in entries], GRAPH_CONSTANTS, cluster_names=GRAPH_CLUSTER_CONSTANTS
+        [e["table"] for e in entries],
+        GRAPH_CONSTANTS,
+        cluster_names=GRAPH_CLUSTER_CONSTANTS,
+        cluster_extra={c: TRANSPORT_CONSTANTS[t] for c, t in transports.items()},
     )
     fitted = fit.fit()
     heldout = _heldout_s(entries, fit)

@@ -37,6 +37,13 @@ GRAPH_CONSTANTS = (
     "sendrecv_half_bw_bytes",
 )
 GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)
+# What a cluster's network transport (``ClusterSpec.transport``) adds to its own constants: over
+# TCP the NIC's efficiency, latency and small-message curve (which ``comm``'s fit set for
+# RDMA-like rings) and the two regimes of ``diffcost.network.cost``'s ``tcp`` pricing.
+TRANSPORT_CONSTANTS = {
+    "rdma": (),
+    "tcp": ("nic_eff", "nic_latency_scale", "half_bw_bytes", "tcp_ring_share", "tcp_fill_s"),
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,8 +77,9 @@ def _check(names, level: str) -> list:
 
 
 class SwitchFit:
-    """The fit of ``names`` per GPU family of ``tables`` and of ``cluster_names`` per cluster,
-    compiled once per family (the whole Adam run in one program, the family's clusters in it)
+    """The fit of ``names`` per GPU family of ``tables``, of ``cluster_names`` per cluster and
+    of ``cluster_extra[cluster]`` for that cluster alone (its transport's), compiled once per
+    family (the whole Adam run in one program, the family's clusters in it)
     and run for any row weights (``fit``).
 
     Every row of weight 1 weighs the same; the prior is ``cfg.prior_weight`` times the squared
@@ -81,7 +89,7 @@ class SwitchFit:
 
     Raises:
         ValueError: an unknown constant name, or one of another level (``names`` are device
-            constants, ``cluster_names`` cluster constants).
+            constants, ``cluster_names`` and ``cluster_extra`` cluster constants).
     """
 
     def __init__(
@@ -92,10 +100,12 @@ class SwitchFit:
         steps: int = 200,
         learning_rate: float = 0.05,
         cluster_names: tuple[str, ...] = (),
+        cluster_extra: dict[str, tuple[str, ...]] | None = None,
     ):
         self.tables = list(tables)
         self.constants = _check(names, "device")
         self.cluster_constants = _check(cluster_names, "cluster")
+        self.extra = {k: _check(v, "cluster") for k, v in (cluster_extra or {}).items()}
         self.cfg = dataclasses.replace(cfg or FitConfig(), steps=steps)
         self.learning_rate = learning_rate
         self.families = sorted({t.family for t in self.tables})
@@ -104,22 +114,24 @@ class SwitchFit:
     def _compile(self, family: str):
         mine = [t for t in self.tables if t.family == family]
         clusters = sorted({t.cluster for t in mine})
-        per = self.constants + self.cluster_constants * len(clusters)
-        n_dev, n_cl = len(self.constants), len(self.cluster_constants)
+        own = {c: self.cluster_constants + self.extra.get(c, []) for c in clusters}
+        per = self.constants + [c for name in clusters for c in own[name]]
+        n_dev = len(self.constants)
         leaves = [c.leaf for c in self.constants]
-        cl_leaves = [c.leaf for c in self.cluster_constants]
+        start = dict(zip(clusters, n_dev + np.cumsum([0] + [len(own[c]) for c in clusters])))
         raw0 = jnp.stack([raw_default(c) for c in per])
         width = jnp.asarray([c.prior_sd for c in per])
         cfg, opt = self.cfg, optax.adam(self.learning_rate)
         lo, hi = (f * cfg.steps for f in cfg.redescend)
         sizes = [jnp.asarray(t.sizes, dtype=float) for t in mine]
         log_meas = [jnp.log(jnp.asarray(t.measured_s, dtype=float)) for t in mine]
-        first = [n_dev + n_cl * clusters.index(t.cluster) for t in mine]
+        first = [int(start[t.cluster]) for t in mine]
+        cl_leaves = [[c.leaf for c in own[t.cluster]] for t in mine]
 
         def loss(raw, redescend, weights):
             total, rows = 0.0, 0.0
-            for t, size, meas, w, k in zip(mine, sizes, log_meas, weights, first):
-                values = dict(zip(leaves, raw[:n_dev])) | dict(zip(cl_leaves, raw[k : k + n_cl]))
+            for t, size, meas, w, k, cl in zip(mine, sizes, log_meas, weights, first, cl_leaves):
+                values = dict(zip(leaves, raw[:n_dev])) | dict(zip(cl, raw[k : k + len(cl)]))
                 resid = jnp.log(t.price(t.params.replace(**values), size)) - meas
                 total = total + jnp.sum(w * robust_penalty(resid, cfg.huber_delta, redescend))
                 rows = rows + jnp.sum(w)
@@ -135,7 +147,7 @@ class SwitchFit:
 
             return jax.lax.fori_loop(0, cfg.steps, step, (raw0, opt.init(raw0)))[0]
 
-        return jax.jit(run), mine, clusters
+        return jax.jit(run), mine, [(c, int(start[c]), own[c]) for c in clusters]
 
     def fit(self, keep: dict | None = None) -> dict[str, dict[str, float]]:
         """``{cluster: {name: constrained value}}``: each cluster's own constants and its
@@ -143,7 +155,6 @@ class SwitchFit:
         row) of each family's tables."""
         keep = keep or {}
         squash = {"log": np.exp, "logit": lambda x: 1.0 / (1.0 + np.exp(-x))}
-        n_dev, n_cl = len(self.constants), len(self.cluster_constants)
         out = {}
         for run, mine, clusters in self._runs.values():
             weights = tuple(
@@ -152,11 +163,10 @@ class SwitchFit:
             with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 step count in
                 raw = np.asarray(run(weights))
             device = {c.name: float(squash[c.transform](r)) for c, r in zip(self.constants, raw)}
-            for i, cluster in enumerate(clusters):
-                own = raw[n_dev + n_cl * i : n_dev + n_cl * (i + 1)]
+            for cluster, k, constants in clusters:
                 out[cluster] = device | {
                     c.name: float(squash[c.transform](r))
-                    for c, r in zip(self.cluster_constants, own)
+                    for c, r in zip(constants, raw[k : k + len(constants)])
                 }
         return out
 

@@ -131,6 +131,13 @@ class Constant:
 # ring's bandwidth up to tens of MiB where all-gather over the same GPUs does not:
 # ``sendrecv_half_bw_bytes`` is how much later its small-message curve reaches half the
 # bandwidth, defaulting to the collectives' own ``half_bw_bytes`` (1 MiB), 1.5 e-folds wide.
+# A network transport over TCP (``ClusterSpec.transport: tcp``, Google's GPUDirect-TCPX/TCPXO)
+# runs NCCL in two regimes by message size (``diffcost.network.cost``, ``tcp``): a ring on
+# ``tcp_ring_share`` of the NICs' bandwidth with no fixed cost beyond its steps, and the
+# algorithms that use every NIC (hierarchical, tree) at the full rate after a fixed cost per
+# call, ``tcp_fill_s``. Neither has a published figure: the defaults are round guesses with wide
+# priors (1.5 in raw units), and ``calibration.network_fit`` fits both per cluster. Only the
+# graph path reads them, for a pricing built with ``tcp``.
 # Datasheet-style defaults, constrained values. Sources: NVIDIA's published large-GEMM
 # throughput (~75-85% of dense peak for bf16 on A100/H100), nccl-tests bus bandwidth on
 # DGX systems (~80% of NVLink per-direction peak), Adam in mixed precision (fp32 master
@@ -235,6 +242,10 @@ CONSTANTS = (
     _C("sendrecv_half_bw_bytes", "sendrecv_half_bw_log_bytes", "log", 1.0 * 2**20, 1.5,
        "device", "grouped send/recv half-bandwidth message, beyond the collectives' (XLA)",
        "MiB", 2.0**-20),
+    _C("tcp_ring_share", "tcp_ring_share_logit", "logit", 0.25, 1.5, "cluster",
+       "ring's share of the NIC bandwidth over a TCP transport", "%", 100.0),
+    _C("tcp_fill_s", "tcp_fill_log_s", "log", 500e-6, 1.5, "cluster",
+       "fixed cost per call of an all-NIC algorithm over a TCP transport", "µs", 1e6),
     _C("gemm_shape_eff", "gemm_shape_log_eff", "log", None, 0.3, "device",
        "GEMM shape efficiency factor", shape=(len(GEMM_GRID_CLASSES),) + (GEMM_GRID,) * 3),
     _C("layer_shape_time", "layer_shape_log_time", "log", None, 0.3, "device",

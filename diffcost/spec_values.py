@@ -19,6 +19,7 @@ from diffcost.constraints import divisors, join
 from diffcost.specs import (
     PLACED_DIMS,
     PRECISIONS,
+    TRANSPORTS,
     ZERO_STAGES,
     ClusterSpec,
     GpuSpec,
@@ -251,6 +252,7 @@ def _cluster_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") ->
     topology = INTRA_NODE.get(
         check_choice(cluster.intra_node, tuple(INTRA_NODE), where, f"{prefix}intra_node")
     )
+    check_choice(cluster.transport, TRANSPORTS, where, f"{prefix}transport")
     if why := topology.node_error_fn(cluster.gpus_per_node):
         raise ConfigError(
             f"{where}: {prefix}gpus_per_node={cluster.gpus_per_node} does not fit "

@@ -30,6 +30,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
+# How NCCL moves bytes between nodes: "rdma" (InfiniBand, RoCE: the default) or "tcp"
+# (Google's GPUDirect-TCPX/TCPXO, a TCP stack with GPU-direct payloads); the graph path prices
+# the two differently (``diffcost.network.cost``, ``CollectivePricing.tcp``).
+TRANSPORTS = ("rdma", "tcp")
 # Parallel dimensions that are laid out on the topology, in the order used by arrays.
 PLACED_DIMS = ("tp", "cp", "dp", "pp")
 
@@ -115,6 +119,7 @@ class ClusterSpec:
     # ring-share table and ``oversubscription``), "cluster" for the graph this spec describes
     # (``generators.from_cluster``), or a ``configs/topologies`` preset name or YAML path
     topology: str = ""
+    transport: str = "rdma"  # a name in TRANSPORTS
     description: str = ""
 
 

@@ -25,7 +25,10 @@ the link capacities and the calibrated ``Params``) prices them:
 * ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
   reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
   receives the result (``nvls_phases``), over its NVLink links at ``nvls_ratio * nvlink_eff``
-  instead of ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call.
+  instead of ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call;
+* a pricing built with ``tcp`` (a cluster whose ``transport`` is ``tcp``: GPUDirect-TCPX/TCPXO)
+  runs the ring on ``tcp_ring_share`` of its network links' capacity and adds ``tcp_fill_s`` per
+  call to every other algorithm that crosses the network (``TCP_RING_ALGORITHMS``).
 
 Rings run as NCCL's channels do (``ring_channels``): behind a switch or on a full mesh the
 ``n - 1`` rotations (every pair once), on direct GPU links of one bandwidth a packing of
@@ -49,7 +52,7 @@ from diffcost.network import collectives as netcoll
 from diffcost.network.graph import Topology, without_transit
 from diffcost.network.routing import distances, route
 from diffcost.params import Params
-from diffcost.specs import PlanSpec
+from diffcost.specs import TRANSPORTS, PlanSpec
 
 NVLINK_KINDS = ("gpu", "nvswitch")  # a link between two of these is NVLink; others network
 TRAFFIC = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0}
@@ -70,6 +73,9 @@ TREE_BW_PENALTY = 1.5
 # Collectives whose XLA-measured times carry a pass over each rank's chunk (``xla``).
 CHUNK_PASS_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SENDRECV_ALGORITHMS = ("pairwise",)  # XLA runs all-to-all as grouped sends and receives
+# Over a TCP transport these run on a share of the NICs' bandwidth without a fixed cost; the
+# other algorithms that cross the network use every NIC after ``tcp_fill_s``.
+TCP_RING_ALGORITHMS = ("ring",)
 MAX_CYCLE_SEARCH = 8  # groups up to this size search Hamiltonian cycle packings
 _ZERO_BYTES = 1.0
 
@@ -90,13 +96,14 @@ class AlgorithmArrays:
     """An algorithm's phases padded to one shape: ``incidence [P, F, L]`` on the pricing's
     links, ``frac [P, F]`` (0 on padding), ``steps`` and ``latency_steps`` ``[P]``;
     ``in_switch`` 1.0 for an algorithm that reduces in the switches (``SWITCH_ALGORITHMS``),
-    else 0.0."""
+    else 0.0; ``network`` 1.0 for one whose flows cross a network link, else 0.0."""
 
     incidence: jax.Array
     frac: jax.Array
     steps: jax.Array
     latency_steps: jax.Array
     in_switch: jax.Array
+    network: jax.Array = 0.0
 
 
 @struct.dataclass
@@ -115,6 +122,10 @@ class CollectivePricing:
             or ``chunk_reduce_Bps`` (reduce-scatter, all-reduce), and the
             grouped sends and receives (``SENDRECV_ALGORITHMS``) reach half their bandwidth
             ``sendrecv_half_bw_bytes`` later than the collectives' ``half_bw_bytes``.
+        tcp: 1.0 for a network transport over TCP (``ClusterSpec.transport``): the ring
+            (``TCP_RING_ALGORITHMS``) runs its network links at ``tcp_ring_share`` of their
+            capacity, and every other algorithm whose flows cross the network pays
+            ``tcp_fill_s`` per call; else 0.0.
         names, collective: static.
     """
 
@@ -124,6 +135,7 @@ class CollectivePricing:
     group_size: float
     algorithms: tuple
     xla: float = 0.0
+    tcp: float = 0.0
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -290,6 +302,7 @@ def collective_pricing(
     n_groups: int = 1,
     algorithms=None,
     xla: bool = False,
+    transport: str = "rdma",
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
     consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
@@ -302,10 +315,15 @@ def collective_pricing(
         algorithms: names to choose from; default ``default_algorithms``. With the default,
             an algorithm the placement cannot run (hierarchical over uneven domains) is left out.
         xla: price the collective as XLA's table times it (``CollectivePricing.xla``).
+        transport: the cluster's network transport, a name in ``specs.TRANSPORTS``
+            (``CollectivePricing.tcp``).
 
     Raises:
-        ValueError: an unknown collective or algorithm, too few endpoints, or a group of one.
+        ValueError: an unknown collective, algorithm or transport, too few endpoints, or a
+            group of one.
     """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
     if collective not in TRAFFIC:
         raise ValueError(f"collective={collective!r}: expected one of {', '.join(TRAFFIC)}")
     if group_size < 2 or n_groups < 1:
@@ -328,7 +346,7 @@ def collective_pricing(
             if algorithms is not None:
                 raise
     pricing = _stack(full, link_ids, phases, group_size, collective)
-    return pricing.replace(xla=float(xla))
+    return pricing.replace(xla=float(xla), tcp=float(transport == "tcp"))
 
 
 def _phases(topology, groups, collective, name) -> list[Phase]:
@@ -389,6 +407,7 @@ def _stack(topology, link_ids, phases: dict, group_size, collective) -> Collecti
         for ph in plist:
             used |= (ph.incidence > 0).any(axis=0)
     links = np.flatnonzero(used)
+    network = 1.0 - link_classes(topology)[link_ids[links]]
     algs = []
     for name, plist in phases.items():
         n_flows = max(len(ph.frac) for ph in plist)
@@ -400,7 +419,8 @@ def _stack(topology, link_ids, phases: dict, group_size, collective) -> Collecti
         steps = np.array([ph.steps for ph in plist], dtype=float)
         lat = np.array([ph.latency_steps for ph in plist], dtype=float)
         in_switch = np.array(1.0 if name in SWITCH_ALGORITHMS else 0.0)
-        arrays = (jnp.asarray(a) for a in (inc, frac, steps, lat, in_switch))
+        crosses = np.array(float((inc.sum(axis=(0, 1)) * network).any()))
+        arrays = (jnp.asarray(a) for a in (inc, frac, steps, lat, in_switch, crosses))
         algs.append(AlgorithmArrays(*arrays))
     links = link_ids[links]
     return CollectivePricing(
@@ -464,13 +484,16 @@ def _algorithm_s(
     return jnp.sum(band) + jnp.sum(lat)
 
 
-def _effective_links(pricing: CollectivePricing, capacity_Bps, params: Params, in_switch=0.0):
+def _effective_links(
+    pricing: CollectivePricing, capacity_Bps, params: Params, in_switch=0.0, tcp_ring=0.0
+):
     """Capacities times their class's efficiency and latencies times its scale, on the
     pricing's links; NVLink links run at ``nvls_ratio * nvlink_eff`` for an algorithm
-    ``in_switch``."""
+    ``in_switch``, network links at ``tcp_ring_share * nic_eff`` for ``tcp_ring`` 1.0."""
     fast = pricing.nvlink
     nvlink_eff = params.nvlink_eff * (1.0 + in_switch * (params.nvls_ratio - 1.0))
-    eff = fast * nvlink_eff + (1.0 - fast) * params.nic_eff
+    nic_eff = params.nic_eff * (1.0 + tcp_ring * (params.tcp_ring_share - 1.0))
+    eff = fast * nvlink_eff + (1.0 - fast) * nic_eff
     capacity = jnp.take(jnp.asarray(capacity_Bps), pricing.links) * eff
     scale = fast * params.nvlink_latency_scale + (1.0 - fast) * params.nic_latency_scale
     return capacity, pricing.latency_s * scale
@@ -511,14 +534,18 @@ def collective_time_s(
         gpu_s = gpu_s + TRAFFIC[pricing.collective] / 2.0 * msg_bytes / params.reduce_Bps
     times = []
     for name, alg in zip(pricing.names, pricing.algorithms):
-        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch)
+        ring = pricing.tcp if name in TCP_RING_ALGORITHMS else 0.0
+        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch, ring)
         late = pricing.xla * params.sendrecv_half_bw_bytes if name in SENDRECV_ALGORITHMS else 0.0
         t = _algorithm_s(
             alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined, late
         )
         # an in-switch reduction skips the GPU's passes and pays the switch's setup per call
         switch_s = params.nvls_latency_s * _present(msg_bytes)
-        times.append(t + (1.0 - alg.in_switch) * gpu_s + alg.in_switch * switch_s)
+        t = t + (1.0 - alg.in_switch) * gpu_s + alg.in_switch * switch_s
+        # over TCP, an algorithm on every NIC pays its fixed cost per call
+        fill = 0.0 if name in TCP_RING_ALGORITHMS else pricing.tcp * alg.network
+        times.append(t + fill * params.tcp_fill_s * _present(msg_bytes))
     best = times[0]
     if len(times) > 1:
         best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)
@@ -529,7 +556,8 @@ def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0)
     """``{name: seconds}`` of each algorithm alone (bandwidth and latency terms only)."""
     out = {}
     for name, alg in zip(pricing.names, pricing.algorithms):
-        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch)
+        ring = pricing.tcp if name in TCP_RING_ALGORITHMS else 0.0
+        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch, ring)
         out[name] = _algorithm_s(
             alg, msg_bytes, capacity, latency, params, temperature, most_loaded_link_s, True
         )
