@@ -70,7 +70,12 @@ from calibration.heldout import (  # noqa: E402
     target_tables,
     trained_keys,
 )
-from calibration.posterior import flat_jacobians, fold_covariance  # noqa: E402
+from calibration.posterior import (  # noqa: E402
+    flat_jacobians,
+    fold_covariance,
+    group_stats,
+    residual_sd,
+)
 from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
 from diffcost.suggest import greedy_design  # noqa: E402
 from diffcost.uncertainty import log_time_jacobians  # noqa: E402
@@ -125,6 +130,7 @@ class Transfer:
         # held-out row mask (bytes) -> (fit steps, tables, weights); on disk with ``--fits``
         self.zero_shot_fits: dict = {}
         self.refits: list = []  # (runs, strength leave-one-out chose) of each few-shot refit
+        self.noise: dict = {}  # held-out row mask (bytes) -> the zero-shot fit's residual sd
         self.cache = FitCache(args.fits, ROOT, Path(args.data))
         self.say(f"{len(self.e2e)} e2e, {self.P.counts['coll']} collective, "
                  f"{self.P.counts.get('gemm', 0)} GEMM rows")  # fmt: skip
@@ -194,13 +200,28 @@ class Transfer:
             if self.few_shot == "descent":
                 _, tables, w, _ = self.fit(picked, self.own_cfg, init=start)
             else:
-                done = refit_mod.refit(self.P, start, shot, self.cfg.temperature)
+                noise = self.residual_sd(held)
+                done = refit_mod.refit(self.P, start, shot, self.cfg.temperature, noise_sd=noise)
                 tables, w = done.tables, w0
                 self.refits.append((len(shot), done.strength))
             # clusters whose constants the zero-shot fit set still count as fitted
             w = {**w, "e2e": np.where((w0["e2e"] > 0) | picked, 1.0, 0.0)}
         rest = np.setdiff1d(np.flatnonzero(held), shot)
         return float(ape_pct(self.predict(rest, tables, w), self.log_meas[rest]).mean())
+
+    def residual_sd(self, held: np.ndarray) -> float | None:
+        """The zero-shot fit's residual spread on its own training runs, pooled over (source,
+        cluster) groups (``posterior.residual_sd``, what ``diffcost calibrate`` reads from a
+        profile's ``uncertainty`` block as the few-shot refit's ``noise_sd``)."""
+        key = held.tobytes()
+        if key not in self.noise:
+            _, tables, w = self.zero_shot_fits[key]
+            train = np.flatnonzero(w["e2e"] > 0)
+            log_err = self.predict(train, tables, w) - self.log_meas[train]
+            names = [(self.src[i], self.cluster[i]) for i in train]
+            rows = {g: np.flatnonzero([n == g for n in names]) for g in set(names)}
+            self.noise[key] = residual_sd(group_stats(log_err, rows))
+        return self.noise[key]
 
     def population_start(self, tables, w) -> tuple[dict, dict]:
         """``tables`` with the cluster rows of clusters no weighted row of ``w`` names set to

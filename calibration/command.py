@@ -381,7 +381,11 @@ def run(args) -> int:
     # A user's runs are one stack on their own cluster: its constants take the stack's effect
     # (the profile written has no stack offsets to apply).
     cfg = fit_mod.FitConfig(steps=args.steps, stacks=False)
-    result, few = refit.fit_with_runs(meas, cfg, not args.json, problem, start)
+    # the starting profiles' residual spread: a few-shot refit matches runs no closer
+    noise = max(
+        prof.uncertainty_for(load_cluster(c), args.start).residual_sd for c in problem.clusters
+    )
+    result, few = refit.fit_with_runs(meas, cfg, not args.json, problem, start, noise)
     blocks, _ = posterior.laplace(problem, result, meas, cfg, start)
     written = _write_profiles(args, paths, result, start_notes, blocks)
     summary = _summary(args, meas, result, start, start_notes, written)

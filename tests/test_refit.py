@@ -84,6 +84,9 @@ def test_three_runs_move_the_rest_toward_the_truth_and_stay_near_the_prior():
     before = np.abs(np.asarray(_predict(start, problem))[rest] - meas)
     after = np.abs(np.asarray(_predict(done.tables, problem))[rest] - meas)
     assert after.mean() < 0.5 * before.mean()
+    # with the model's residual spread known, the runs are matched no closer than it
+    floored = refit_mod.refit(problem, start, shot, noise_sd=0.05)
+    assert floored.strength is None or floored.strength >= 0.05**2
     # an (almost) unregularised refit of the same runs moves the constants further
     loose = refit_mod.refit(problem, start, shot, strengths=(1e-9,))
     assert _prior_distance(start, done.tables, problem) < _prior_distance(
