@@ -218,12 +218,15 @@ def fit_with_runs(
 ) -> tuple[F.FitResult, Refit | None]:  # fmt: skip
     """``diffcost calibrate``'s fit, and the ``Refit`` when there was one. With fewer than
     ``cfg.full_rows`` end-to-end runs (a level that would weigh less than in full against the
-    prior, ``FitConfig.full_rows``), the other levels (collectives, kernel tables) are fitted
-    by ``F.fit`` from ``start`` without the runs, and the runs then update that fit by
-    ``refit`` (``noise_sd``: the starting constants' residual spread, ``strengths_for``);
-    otherwise (or with no run) ``F.fit`` on everything."""
+    prior, ``FitConfig.full_rows``) and a start whose residual spread ``noise_sd`` is known (a
+    fitted profile's ``uncertainty`` block), the other levels (collectives, kernel tables) are
+    fitted by ``F.fit`` from ``start`` without the runs, and the runs then update that fit by
+    ``refit`` (``noise_sd``: ``strengths_for``). Otherwise (datasheet defaults, which no fit
+    made, or 100 runs and more, or none) ``F.fit`` on everything: on random vTrain subsets
+    (``benchmarks/small_data.py``) the refit beat the descent from the shipped profile and lost
+    to it from the datasheet defaults."""
     runs = problem.counts.get("e2e", 0)
-    if not 0 < runs < cfg.full_rows:
+    if not noise_sd or not 0 < runs < cfg.full_rows:
         return F.fit(meas, cfg, progress, problem, start), None
     others = {k: v for k, v in problem.data.items() if k != "e2e"}
     losses, seconds, converged = [], 0.0, True
