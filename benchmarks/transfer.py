@@ -2,7 +2,7 @@
 leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
-        [--no-few-shot] [--few-shot own|joint] [--suggest] [--unseen population|defaults]
+        [--no-few-shot] [--few-shot own|descent|joint] [--suggest] [--unseen population|defaults]
         [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
@@ -20,11 +20,15 @@ usually from a cluster, a framework or a scale no measurement covers.
 2. **Few-shot.** Per source group: k = 3 and k = 10 of its runs (``DRAWS`` random draws each)
    refit the constants, warm-started from that source's zero-shot fit, and the source's other
    runs are predicted; per k the mean and the worst draw's MAPE. ``--few-shot own`` (the
-   default) is ``diffcost calibrate``'s path: the end-to-end level holds the k runs alone (the
-   kernel and collective tables stay), fitted with calibrate's settings for
-   ``FEW_SHOT_STEPS`` steps. ``--few-shot joint``
-   adds the k runs to the zero-shot training runs as one more source and continues the whole
-   fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR`` (``Transfer.refit``).
+   default) is ``diffcost calibrate``'s path for a handful of runs (``calibration.refit``):
+   a maximum a posteriori update of the zero-shot fit's scalar constants by the k runs, the
+   zero-shot fit the prior's centre, its strength chosen by leave-one-out over the k runs
+   (the held-out source's other runs are never used). ``--few-shot descent`` is the earlier
+   path, kept for comparison: the end-to-end level holds the k runs alone (the kernel and
+   collective tables stay) and calibrate's Adam descent runs ``FEW_SHOT_STEPS`` steps.
+   ``--few-shot joint`` adds the k runs to the zero-shot training runs as one more source and
+   continues the whole fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``
+   (``Transfer.refit``).
 
 ``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
 ``diffcost suggest``'s design on the zero-shot fit's Laplace posterior against 3 random ones.
@@ -51,6 +55,7 @@ import numpy as np  # noqa: E402
 from cv_report import clean_json, finish, fmt, grouped_pred_meas  # noqa: E402
 
 from calibration import fit as F  # noqa: E402
+from calibration import refit as refit_mod  # noqa: E402
 from calibration.fit_cache import FitCache  # noqa: E402
 from calibration.heldout import (  # noqa: E402
     Predictor,
@@ -65,7 +70,12 @@ from calibration.heldout import (  # noqa: E402
     target_tables,
     trained_keys,
 )
-from calibration.posterior import flat_jacobians, fold_covariance  # noqa: E402
+from calibration.posterior import (  # noqa: E402
+    flat_jacobians,
+    fold_covariance,
+    group_stats,
+    residual_sd,
+)
 from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
 from diffcost.suggest import greedy_design  # noqa: E402
 from diffcost.uncertainty import log_time_jacobians  # noqa: E402
@@ -106,7 +116,7 @@ class Transfer:
         self.own_cfg = F.FitConfig(
             steps=30 if args.quick else FEW_SHOT_STEPS, **{**knobs, "stacks": False}
         )
-        self.refit_cfg = self.own_cfg if self.few_shot == "own" else self.few_cfg
+        self.refit_cfg = self.few_cfg if self.few_shot == "joint" else self.own_cfg
         self.meas = load_data(Path(args.data))
         self.e2e = self.meas.e2e
         self.src = np.array([r.source_name for r in self.e2e])
@@ -119,6 +129,8 @@ class Transfer:
         self.predictor = Predictor(min(chunk, 512), n_fam, n_clu, self.cfg.temperature)
         # held-out row mask (bytes) -> (fit steps, tables, weights); on disk with ``--fits``
         self.zero_shot_fits: dict = {}
+        self.refits: list = []  # (runs, strength leave-one-out chose) of each few-shot refit
+        self.noise: dict = {}  # held-out row mask (bytes) -> the zero-shot fit's residual sd
         self.cache = FitCache(args.fits, ROOT, Path(args.data))
         self.say(f"{len(self.e2e)} e2e, {self.P.counts['coll']} collective, "
                  f"{self.P.counts.get('gemm', 0)} GEMM rows")  # fmt: skip
@@ -167,11 +179,14 @@ class Transfer:
 
     def refit(self, held: np.ndarray, shot: np.ndarray) -> float:
         """MAPE on the held-out source's other runs after a refit with its runs ``shot``
-        (indices), warm-started from the zero-shot fit (``--few-shot``):
+        (indices), warm-started from the zero-shot fit (``--few-shot``); a cluster the
+        zero-shot fit had no row of starts at the population's constants (what its prediction
+        used):
 
-        * ``own`` (default): ``diffcost calibrate``'s path. The end-to-end level holds the shot
-          runs alone (the collective and GEMM tables stay); a cluster the zero-shot fit had no
-          row of starts at the population's constants (what its prediction used).
+        * ``own`` (default): ``diffcost calibrate``'s path for a handful of runs,
+          ``calibration.refit.refit`` of the shot runs from the zero-shot fit.
+        * ``descent``: the end-to-end level holds the shot runs alone (the collective and GEMM
+          tables stay), calibrate's Adam descent for ``FEW_SHOT_STEPS`` steps.
         * ``joint``: the shot runs join the zero-shot training runs as one more source, and a
           short refit (``FEW_SHOT_STEPS`` at ``FEW_SHOT_LR``) continues the whole fit.
         """
@@ -181,13 +196,32 @@ class Transfer:
         if self.few_shot == "joint":
             _, tables, w, _ = self.fit(~held | picked, self.few_cfg, init=tables0)
         else:
-            _, tables, w, _ = self.fit(
-                picked, self.own_cfg, init=self.population_start(tables0, w0)
-            )
+            start = self.population_start(tables0, w0)
+            if self.few_shot == "descent":
+                _, tables, w, _ = self.fit(picked, self.own_cfg, init=start)
+            else:
+                noise = self.residual_sd(held)
+                done = refit_mod.refit(self.P, start, shot, self.cfg.temperature, noise_sd=noise)
+                tables, w = done.tables, w0
+                self.refits.append((len(shot), done.strength))
             # clusters whose constants the zero-shot fit set still count as fitted
             w = {**w, "e2e": np.where((w0["e2e"] > 0) | picked, 1.0, 0.0)}
         rest = np.setdiff1d(np.flatnonzero(held), shot)
         return float(ape_pct(self.predict(rest, tables, w), self.log_meas[rest]).mean())
+
+    def residual_sd(self, held: np.ndarray) -> float | None:
+        """The zero-shot fit's residual spread on its own training runs, pooled over (source,
+        cluster) groups (``posterior.residual_sd``, what ``diffcost calibrate`` reads from a
+        profile's ``uncertainty`` block as the few-shot refit's ``noise_sd``)."""
+        key = held.tobytes()
+        if key not in self.noise:
+            _, tables, w = self.zero_shot_fits[key]
+            train = np.flatnonzero(w["e2e"] > 0)
+            log_err = self.predict(train, tables, w) - self.log_meas[train]
+            names = [(self.src[i], self.cluster[i]) for i in train]
+            rows = {g: np.flatnonzero([n == g for n in names]) for g in set(names)}
+            self.noise[key] = residual_sd(group_stats(log_err, rows))
+        return self.noise[key]
 
     def population_start(self, tables, w) -> tuple[dict, dict]:
         """``tables`` with the cluster rows of clusters no weighted row of ``w`` names set to
@@ -433,8 +467,9 @@ def measure(args) -> dict:
             "family_parents": t.cfg.family_parents,
             "few_shot": t.few_shot,
             "groups_selected": bool(args.groups),
-            "few_shot_steps": t.refit_cfg.steps,
-            "few_shot_learning_rate": t.refit_cfg.learning_rate,
+            "few_shot_steps": None if t.few_shot == "own" else t.refit_cfg.steps,
+            "few_shot_learning_rate": None if t.few_shot == "own" else t.refit_cfg.learning_rate,
+            "few_shot_strengths": [{"runs": k, "strength": a} for k, a in t.refits],
             "frameworks": sorted(FRAMEWORK_DEFAULTS),
             "plot": plot,
             "interval_note": "80% intervals: residual and stack spreads from the other groups "
@@ -513,7 +548,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
     ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
-    ap.add_argument("--few-shot", choices=("own", "joint"), default="own",
+    ap.add_argument("--few-shot", choices=("own", "descent", "joint"), default="own",
                     help="how a few-shot refit uses the other runs (Transfer.refit)")  # fmt: skip
     ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
     ap.add_argument("--groups", default="",

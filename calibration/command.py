@@ -24,7 +24,7 @@ import yaml
 from rich.console import Console
 
 from calibration import fit as fit_mod
-from calibration import posterior
+from calibration import posterior, refit
 from calibration.heldout import population_row
 from calibration.readers import load
 from calibration.records import Measurements
@@ -280,6 +280,21 @@ def _summary(args, meas, result: fit_mod.FitResult, start: dict, start_notes: di
     }
 
 
+def few_shot_summary(few: refit.Refit | None) -> dict | None:
+    """What the few-shot refit of a handful of runs did (``calibration.refit``), or None when
+    the runs were fitted with the rest (``refit.fit_with_runs``)."""
+    if few is None:
+        return None
+    return {
+        "runs": int(few.residuals.size),
+        "strength": few.strength,
+        "loo_rms_log_error": {
+            ("none" if a == np.inf else f"{a:.3g}"): float(np.sqrt(v))
+            for a, v in few.loo_mse.items()
+        },
+    }
+
+
 def _print_report(args, summary: dict, everything: Measurements, cfg: fit_mod.FitConfig) -> None:
     """Skipped rows, unused data, MAPE before and after, convergence, the constants that moved
     most, and the files written."""
@@ -310,7 +325,19 @@ def _print_report(args, summary: dict, everything: Measurements, cfg: fit_mod.Fi
         if summary["converged"]
         else f"stopped at the step limit, {summary['steps']} steps (not converged: raise --steps)"
     )
-    console.print(f"{stop}, {summary['seconds']:.1f} s")
+    if summary["steps"]:  # a few-shot refit of end-to-end runs alone takes no descent step
+        console.print(f"{stop}, {summary['seconds']:.1f} s")
+    few = summary.get("few_shot")
+    if few is not None:
+        how = (
+            f"strength {few['strength']:.3g} chosen by leave-one-out over them"
+            if few["strength"] is not None
+            else "no update: leave-one-out over them did not beat the starting constants"
+        )
+        console.print(
+            f"{few['runs']} end-to-end runs (fewer than {cfg.full_rows}): a few-shot update of "
+            f"the starting constants (calibration.refit), {how}"
+        )
     for name, rows_moved in summary["moved"].items():
         if not rows_moved:
             console.print(f"{name}: no constant moved")
@@ -354,10 +381,15 @@ def run(args) -> int:
     # A user's runs are one stack on their own cluster: its constants take the stack's effect
     # (the profile written has no stack offsets to apply).
     cfg = fit_mod.FitConfig(steps=args.steps, stacks=False)
-    result = fit_mod.fit(meas, cfg, not args.json, problem, start)
+    # the starting profiles' residual spread: a few-shot refit matches runs no closer
+    noise = max(
+        prof.uncertainty_for(load_cluster(c), args.start).residual_sd for c in problem.clusters
+    )
+    result, few = refit.fit_with_runs(meas, cfg, not args.json, problem, start, noise)
     blocks, _ = posterior.laplace(problem, result, meas, cfg, start)
     written = _write_profiles(args, paths, result, start_notes, blocks)
     summary = _summary(args, meas, result, start, start_notes, written)
+    summary["few_shot"] = few_shot_summary(few)
     if args.json:
         print_json(summary)
     else:

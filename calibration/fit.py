@@ -531,12 +531,15 @@ def _fit(meas, cfg, progress, problem, start, init) -> FitResult:
     # is dropped): an eager ``predict_log`` would dispatch the vmapped simulator op by op.
     _, _, _, logs = step(tables, state, problem.data)
     seconds = time.perf_counter() - t0
+    initial = initial_logs if initial_logs is not None else logs
+    return result_from_tables(problem, tables, logs, initial, losses, seconds, converged)
+
+
+def result_from_tables(problem, tables, logs, initial_logs, losses, seconds, converged):
+    """The ``FitResult`` of raw ``tables`` (problem order) whose log predictions per level are
+    ``logs`` (``initial_logs`` at the start)."""
     dev, clu = tables
-
-    def resid(level_logs):
-        return {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in level_logs.items()}
-
-    residuals = resid(logs)
+    resid = lambda lg: {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in lg.items()}  # noqa: E731
     p0 = default_params()
     device_values, cluster_values, by_cluster = {}, {}, {}
     for i, fam in enumerate(problem.families):
@@ -545,22 +548,11 @@ def _fit(meas, cfg, progress, problem, start, init) -> FitResult:
     for j, name in enumerate(problem.clusters):
         fam = cluster_family(name)
         i = problem.families.index(fam) if fam in problem.families else 0
-        pr = assemble(dev, clu, i, j)
-        by_cluster[name] = pr
-        cluster_values[name] = to_values(pr, CLUSTER_FIELDS)
-    return FitResult(
-        device_values,
-        cluster_values,
-        by_cluster,
-        losses,
-        len(losses),
-        seconds,
-        converged,
-        residuals,
-        resid(initial_logs if initial_logs is not None else logs),
-        _stack_values(clu, problem),
-        tables,
-    )
+        by_cluster[name] = assemble(dev, clu, i, j)
+        cluster_values[name] = to_values(by_cluster[name], CLUSTER_FIELDS)
+    return FitResult(device_values, cluster_values, by_cluster, losses, len(losses), seconds,
+                     converged, resid(logs), resid(initial_logs), _stack_values(clu, problem),
+                     tables)  # fmt: skip
 
 
 def _stack_values(clu: dict, problem: Problem) -> dict:

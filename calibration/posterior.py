@@ -62,22 +62,26 @@ def _float64(x):
     return jnp.asarray(x, jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
+# ``F.predict_log`` compiled once per shape and temperature (not once per call)
+predict_log = jax.jit(F.predict_log, static_argnums=3)
+
+
 def row_jacobians(problem: F.Problem, tables, temperature: float) -> dict:
     """Per level, ``(J_dev [rows, device entries], J_clu [rows, cluster entries])``: the
     derivative of each row's log prediction w.r.t. the scalar constants of its own family and
-    cluster rows, by central differences of the float64 forward model."""
-    with jax.enable_x64(True):
+    cluster rows, by central differences of the float64 forward model (standard dtype
+    promotion, as ``F.fit``: the model mixes integer widths)."""
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
         data = jax.tree_util.tree_map(_float64, problem.data)
         dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
-        run = jax.jit(lambda d, c, data: F.predict_log(d, c, data, temperature))
         out = {level: ([], []) for level in data}
         for side, entries in ((0, DEV_ENTRIES), (1, CLU_ENTRIES)):
             for _, _, leaf, index in entries:
                 pair = [dev, clu]
                 pair[side] = _shift(pair[side], leaf, index, FD_STEP)
-                plus = run(*pair, data)
+                plus = predict_log(*pair, data, temperature)
                 pair[side] = _shift(pair[side], leaf, index, -2 * FD_STEP)
-                minus = run(*pair, data)
+                minus = predict_log(*pair, data, temperature)
                 for level in data:
                     diff = np.asarray(plus[level] - minus[level], dtype=float)
                     out[level][side].append(diff / (2 * FD_STEP))
@@ -138,7 +142,7 @@ def prior_widths(problem: F.Problem) -> np.ndarray:
     return np.array(dev + clu)
 
 
-def _flat(problem: F.Problem, d, c, jd: np.ndarray, jc: np.ndarray) -> np.ndarray:
+def flat_design(problem: F.Problem, d, c, jd: np.ndarray, jc: np.ndarray) -> np.ndarray:
     """``[rows, constants]``: rows' device Jacobians ``jd`` placed at their family ``d`` and
     cluster Jacobians ``jc`` at their cluster ``c``, in ``information``'s flat order."""
     nf, nd, ncl = len(problem.families), len(DEV_ENTRIES), len(CLU_ENTRIES)
@@ -159,7 +163,7 @@ def information(problem, result, jacobians, variances, delta: float):
     for level, (jd, jc) in jacobians.items():
         r = result.residuals[level]
         u = 1.0 / (1.0 + np.square(r / delta)) / variances[level]
-        full = _flat(problem, problem.data[level]["d"], problem.data[level]["c"], jd, jc)
+        full = flat_design(problem, problem.data[level]["d"], problem.data[level]["c"], jd, jc)
         H += full.T @ (u[:, None] * full)
         terms[level] = (full, u, r)
     return 0.5 * (H + H.T), terms
@@ -339,7 +343,7 @@ def fold_covariance(
         r = np.asarray(logs[level], float) - np.asarray(sub.data[level]["log_meas"], float)
         var = max(float(np.mean(r**2)), 1e-8)
         u = scale[level] / (1.0 + np.square(r / cfg.huber_delta)) / var
-        full = _flat(problem, sub.data[level]["d"], sub.data[level]["c"], jd, jc)
+        full = flat_design(problem, sub.data[level]["d"], sub.data[level]["c"], jd, jc)
         H += full.T @ (u[:, None] * full)
     return np.linalg.inv(0.5 * (H + H.T))
 
@@ -350,4 +354,4 @@ def flat_jacobians(problem: F.Problem, jac: np.ndarray, families, clusters) -> n
     index in ``problem.families``), the others at its cluster (``clusters``)."""
     dev_k = [k for k, *_ in DEV_ENTRIES]
     clu_k = [k for k, *_ in CLU_ENTRIES]
-    return _flat(problem, families, clusters, jac[:, dev_k], jac[:, clu_k])
+    return flat_design(problem, families, clusters, jac[:, dev_k], jac[:, clu_k])
