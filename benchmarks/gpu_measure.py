@@ -109,7 +109,7 @@ E2E_RECOMPUTE = (
     ("GPT-h2560-L32", 32, 2560, 32, 2048, 2, "full"),
     ("GPT-h4096-L12", 12, 4096, 32, 2048, 2, "full"),
 )
-E2E_SETS = {"base": E2E_CONFIGS, "more": E2E_MORE, "recompute": E2E_RECOMPUTE}
+E2E_SETS = ("base", "more", "recompute")
 VOCAB = 51200
 QUICK_SCALE = 16  # --quick divides sizes by this (a CPU smoke run)
 
@@ -365,7 +365,8 @@ def _model_flops(layers, h, s, vocab, tokens):
 
 
 def e2e_rows(run, scale: int):
-    configs = E2E_SETS[run.args.e2e_set]
+    sets = {"base": E2E_CONFIGS, "more": E2E_MORE, "recompute": E2E_RECOMPUTE}
+    configs = sets[run.args.e2e_set]
     for name, layers, hidden, heads, seq, mb, recompute in configs:
         h, s = hidden // scale, max(64, seq // scale)
         layers_ = max(2, layers // scale)
@@ -488,7 +489,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=420.0, help="skip what starts later")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per config")
     p.add_argument("--only", default="kernels,e2e", help="kernels, e2e or both")
-    p.add_argument("--e2e-set", choices=tuple(E2E_SETS), default="base", help="e2e configs")
+    p.add_argument("--e2e-set", choices=E2E_SETS, default="base", help="e2e configs")
     p.add_argument("--quick", action="store_true", help="sizes / 16: a CPU smoke run")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
