@@ -217,9 +217,13 @@ def traffic_row(items, g: Group, load, params: Params, temperature):
 def shared_delays_s(rows, capacity, temperature=sharing.DEFAULT_TEMPERATURE):
     """``[flows]`` delay of each of concurrent collectives (``rows``: ``[flows, tiers]``
     bytes on each tier's busiest link) from sharing the tiers max-min fairly: completion
-    together minus completion alone (``sharing.few_flows_completion_s``, all starting
-    together)."""
-    rows = jnp.stack(rows)
-    together = sharing.few_flows_completion_s(rows, capacity, temperature)
-    alone = smooth.smooth_max(rows / capacity, axis=-1, temperature=sharing.CAP_TEMPERATURE)
-    return together - alone
+    together minus completion alone (``sharing.few_flows_of``, all starting together).
+
+    The rows are ``smooth.stored`` first: the unrolled solver reads them in many fused loops,
+    each of which would otherwise recompute them from the table lookups."""
+    rows = smooth.stored(jnp.stack(rows))
+    tiers = range(len(capacity))
+    together, alone = sharing.few_flows_of(
+        [[row[t] for t in tiers] for row in rows], [capacity[t] for t in tiers], temperature
+    )
+    return jnp.stack([a - b for a, b in zip(together, alone)])
