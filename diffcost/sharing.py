@@ -66,6 +66,8 @@ References:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -334,30 +336,47 @@ def _few_rates(work_s, crosses, running, rounds, cap, temperature):
     ``rounds`` unrolled water-filling rounds (``few_flows_completion_s``).
 
     Args:
-        work_s: (flows, links) seconds one unit of each flow takes on each link alone.
-        crosses: (flows, links) bool, the flow crosses the link.
-        running: (flows,) weight of each flow in [0, 1].
+        work_s: ``[flow][link]`` seconds one unit of each flow takes on each link alone.
+        crosses: ``[flow][link]`` bool, the flow crosses the link.
+        running: ``[flow]`` weight of each flow in [0, 1].
         rounds: static; exact for ``rounds`` running flows.
         cap: the largest level (numerical: above every real level).
 
     Returns:
-        (flows,) rates; a flow that does not run gets the level it would join at.
+        ``[flow]`` rates; a flow that does not run gets the level it would join at.
     """
-    load = work_s * running[:, None]
-    active = jnp.ones_like(running)
-    frozen = jnp.zeros_like(running)
+    links = range(len(work_s[0]))
+    load = [[w * r for w in row] for row, r in zip(work_s, running)]
+    active = [jnp.ones_like(r) for r in running]
+    frozen = [jnp.zeros_like(r) for r in running]
     for r in range(rounds):
-        unfrozen = jnp.sum(load * active[:, None], axis=0)
-        rem = 1.0 if r == 0 else smooth.clip_exact(1.0 - jnp.sum(load * frozen[:, None], 0), 0, 1)
-        congestion = unfrozen / (rem + CAPACITY_FLOOR)
-        top = smooth.softmax_mean(congestion, temperature=temperature)
+        unfrozen = [_sum_of([row[k] * a for row, a in zip(load, active)]) for k in links]
+        if r == 0:
+            rem = [1.0 for _ in links]
+        else:
+            used = [_sum_of([row[k] * z for row, z in zip(load, frozen)]) for k in links]
+            rem = [smooth.clip_exact(1.0 - u, 0, 1) for u in used]
+        congestion = [u / (c + CAPACITY_FLOOR) for u, c in zip(unfrozen, rem)]
+        top = smooth.softmax_mean_of(congestion, temperature=temperature)
         level = _min_inverse(top, cap)
         if r == rounds - 1:
-            return frozen + active * level
-        keep = _gate_keep(congestion, top, temperature)  # (links,) 1 - saturated
-        still = active * jnp.prod(jnp.where(crosses, keep[None, :], 1.0), axis=1)
-        frozen = frozen + (active - still) * level
+            return [z + a * level for z, a in zip(frozen, active)]
+        keep = [_gate_keep(c, top, temperature) for c in congestion]  # 1 - saturated
+        still = [
+            a * _prod_of([jnp.where(on[k], keep[k], 1.0) for k in links])
+            for a, on in zip(active, crosses)
+        ]
+        frozen = [z + (a - s) * level for z, a, s in zip(frozen, active, still)]
         active = still
+
+
+def _sum_of(xs):
+    """Left to right, as a reduction over a stacked axis adds."""
+    return sum(xs[1:], xs[0])
+
+
+def _prod_of(xs):
+    return math.prod(xs[1:], start=xs[0])
 
 
 def _min_inverse(x, cap):
@@ -389,6 +408,7 @@ def few_flows_completion_s(
     is kept as seconds per unit over a capacity of one, and the levels and phase lengths are
     capped exactly (``min(1 / top, cap)``, far above every real value) instead of smoothly.
     The gates, their slack and the smooth maxima are ``completion_times_s``'s, so is the error.
+    ``few_flows_of`` is the same on lists of per-flow, per-link values.
 
     Args:
         incidence: (flows, links) bytes one unit of each flow puts on each link, >= 0 (any
@@ -406,23 +426,41 @@ def few_flows_completion_s(
         >>> [round(float(x), 3) for x in t]
         [2.0, 2.0, 1.0]
     """
-    n = incidence.shape[0]
-    work_s = incidence / capacity_Bps
-    crosses = incidence > 0
-    alone_s = smooth.smooth_max(work_s, axis=-1, temperature=CAP_TEMPERATURE)
-    running = (alone_s > 0).astype(work_s.dtype)
+    flows, links = incidence.shape
+    rows = [[incidence[f, k] for k in range(links)] for f in range(flows)]
+    together, _ = few_flows_of(rows, [capacity_Bps[k] for k in range(links)], temperature)
+    return jnp.stack(together)
+
+
+def few_flows_of(rows, capacity_Bps, temperature: float = DEFAULT_TEMPERATURE):
+    """``few_flows_completion_s`` on ``rows`` (``[flow][link]`` bytes, arrays of one shape) and
+    ``capacity_Bps`` (``[link]``), element by element: ``([flow] completion together, [flow]
+    completion alone)``, alone the smooth maximum over the links of bytes over capacity.
+
+    Lists of arrays and no stacked axes: in a batched sweep the flows and links are then
+    elementwise arithmetic that fuses, where small trailing axes of three would be reduced
+    and broadcast as separate loops.
+    """
+    n = len(rows)
+    work_s = [[b / c for b, c in zip(row, capacity_Bps)] for row in rows]
+    crosses = [[w > 0 for w in row] for row in work_s]
+    alone_s = [smooth.smooth_max_of(row, temperature=CAP_TEMPERATURE) for row in work_s]
+    running = [(a > 0).astype(a.dtype) for a in alone_s]
     # no level exceeds the sum of the alone rates, no phase the sum of the alone times
-    cap = FEW_HEADROOM * jax.lax.stop_gradient(jnp.sum(smooth.safe_div(1.0, alone_s)))
-    horizon = FEW_HEADROOM * jax.lax.stop_gradient(jnp.sum(alone_s))
-    left = jnp.ones_like(running)
-    elapsed = jnp.zeros_like(running)
+    cap = FEW_HEADROOM * jax.lax.stop_gradient(_sum_of([smooth.safe_div(1.0, a) for a in alone_s]))
+    horizon = FEW_HEADROOM * jax.lax.stop_gradient(_sum_of(alone_s))
+    left = [jnp.ones_like(r) for r in running]
+    elapsed = [jnp.zeros_like(r) for r in running]
     for p in range(n):
         rates = _few_rates(work_s, crosses, running, n - p, cap, temperature)
-        finish = running * rates / (left + (1.0 - running + DONE_FLOOR) * DONE_FLOOR)
-        top = smooth.softmax_mean(finish, temperature=temperature)
+        finish = [
+            r * v / (x + (1.0 - r + DONE_FLOOR) * DONE_FLOOR)
+            for r, v, x in zip(running, rates, left)
+        ]
+        top = smooth.softmax_mean_of(finish, temperature=temperature)
         dt = _min_inverse(top, horizon)
-        elapsed = elapsed + running * dt
+        elapsed = [e + r * dt for e, r in zip(elapsed, running)]
         if p < n - 1:
-            left = smooth.clip_exact(left - rates * dt, 0.0, 1.0)
-            running = running * _gate_keep(finish, top, temperature)
-    return elapsed
+            left = [smooth.clip_exact(x - v * dt, 0.0, 1.0) for x, v in zip(left, rates)]
+            running = [r * _gate_keep(f, top, temperature) for r, f in zip(running, finish)]
+    return elapsed, alone_s

@@ -155,6 +155,88 @@ def softmax_mean(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMP
     return jnp.where(jnp.squeeze(ok, axis=axis), out, exact)
 
 
+def _max_of(xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = jnp.maximum(out, x)
+    return out
+
+
+def smooth_max_of(xs, temperature: float = DEFAULT_TEMPERATURE):
+    """``smooth_max`` over a list of same-shape arrays, element by element: the same arithmetic
+    as stacking ``xs`` on a last axis, without the stack (see ``smooth_min_of``)."""
+    xs = [jnp.asarray(x) for x in xs]
+    exact = _max_of(xs)
+    if temperature == 0:
+        return exact
+    a = [jnp.abs(x) for x in xs]
+    scale = sum(a[1:], a[0]) / len(xs)
+    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
+    tau = temperature * jnp.where(ok, scale, 1.0)
+    m = jax.lax.stop_gradient(exact)
+    e = [jnp.exp((x - m) / tau) for x in xs]
+    out = m + tau * jnp.log(sum(e[1:], e[0]))
+    return jnp.where(ok, out, exact)
+
+
+def softmax_mean_of(xs, temperature: float = DEFAULT_TEMPERATURE):
+    """``softmax_mean`` over a list of same-shape arrays, element by element: the arithmetic
+    of stacking ``xs`` on a last axis, without the stack (see ``smooth_min_of``).
+
+    The inputs are multiplied by ``1 / tau``, not divided by ``tau``: XLA's simplifier merges
+    a chain of divisions into one by the product of the divisors, and where an input is
+    itself a quotient by a small number (a congestion over a nearly saturated link's
+    remaining capacity) that product underflows in float32 and the compiled gradient is NaN.
+    """
+    xs = [jnp.asarray(x) for x in xs]
+    exact = _max_of(xs)
+    if temperature == 0:
+        return exact
+    scale = jax.lax.stop_gradient(_max_of([jnp.abs(x) for x in xs]))
+    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
+    tau = temperature * jnp.where(ok, scale, 1.0)
+    inverse = 1.0 / tau
+    y = _softmax_of([x * inverse for x in xs])
+    w = [yi * x for yi, x in zip(y, xs)]
+    out = sum(w[1:], w[0])
+    return jnp.where(ok, out, exact)
+
+
+@jax.custom_jvp
+def _softmax_of(z):
+    """``jax.nn.softmax`` over a list of same-shape arrays, element by element, with its
+    derivative ``y * (dz - sum(y * dz))``."""
+    top = _max_of(z)
+    e = [jnp.exp(zi - top) for zi in z]
+    total = sum(e[1:], e[0])
+    return [ei / total for ei in e]
+
+
+@_softmax_of.defjvp
+def _softmax_of_jvp(primals, tangents):
+    (z,), (dz,) = primals, tangents
+    y = _softmax_of(z)
+    mean = [yi * di for yi, di in zip(y, dz)]
+    mean = sum(mean[1:], mean[0])
+    return y, [yi * (di - mean) for yi, di in zip(y, dz)]
+
+
+def stored(tree):
+    """``tree`` (a pytree of same-shape float arrays) unchanged, each leaf computed once.
+
+    XLA fuses a chain of cheap elementwise operations into every consumer that reads it, so
+    where many fusions read the end of a long chain (the rounds of an unrolled solver) the
+    chain is recomputed in each. A reduction is not fused into its consumers: the leaves go
+    through one, ``max(x, -inf)`` over a stacked axis, which returns every value as it is
+    (``jax.lax.optimization_barrier`` would say the same, but XLA's CPU compiler drops it
+    before fusing).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    x = jnp.stack(leaves, axis=-1)
+    x = jnp.max(jnp.stack([x, jnp.full_like(x, -jnp.inf)], axis=-1), axis=-1)
+    return jax.tree_util.tree_unflatten(treedef, [x[..., i] for i in range(len(leaves))])
+
+
 def softmin_weights(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
     """Weights of the values near the minimum, summing to 1: ``softmax(-x / tau)`` along
     ``axis`` with ``smooth_max``'s ``tau = temperature * mean|x|`` (0, or all inputs zero:

@@ -231,6 +231,21 @@ def test_few_flows_within_one_percent_of_exact():
         assert errs.max() <= TARGET, (dtype, int(errs.argmax()), errs.max())
 
 
+def test_few_flows_gradients_finite_in_float32_compiled():
+    """Compiled and batched in float32, as the sweeps run it, the gradient of every set of
+    ``sharing_cases.few_flow_sets(2000, seed=1)`` with respect to the rows and the capacities
+    is finite (a set whose congestions are quotients by nearly saturated links' capacities
+    once gave NaN, from XLA merging divisions)."""
+    rows, capacity = sharing_cases.few_flow_sets(2000, seed=1)
+    f = lambda r, c: jnp.sum(sharing.few_flows_completion_s(r, c) * jnp.arange(1.0, 4.0))
+    with jax.numpy_dtype_promotion("standard"):
+        grads = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1))))(
+            jnp.asarray(rows, jnp.float32), jnp.asarray(capacity, jnp.float32)
+        )
+    for g in grads:
+        assert g.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(g)))
+
+
 def test_few_flows_agree_with_completion_times():
     """The same smooth model as ``completion_times_s`` with unit sizes, where no two levels or
     finishes are near ties: three equal flows, disjoint tiers, two flows sharing one tier."""

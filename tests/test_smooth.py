@@ -140,3 +140,25 @@ def test_smooth_min_of_equals_the_stacked_surrogates(xs, t):
         stacked = jax.grad(lambda v: smooth.smooth_min(v, temperature=t))(x)
         listed = jax.grad(lambda v: smooth.smooth_min_of(list(v), temperature=t)[0])(x)
         np.testing.assert_allclose(listed, stacked, rtol=1e-9, atol=1e-15)
+
+
+@given(values, st.sampled_from((0.0, *TEMPERATURES)))
+@settings(max_examples=50, deadline=None)
+def test_softmax_mean_of_and_smooth_max_of_equal_the_stacked_surrogates(xs, t):
+    """The list forms give ``softmax_mean`` and ``smooth_max`` of the stacked values, and the
+    same gradients (finite at ties and at zero)."""
+    x = jnp.asarray(xs)
+    pairs = (
+        (smooth.softmax_mean_of, smooth.softmax_mean),
+        (smooth.smooth_max_of, smooth.smooth_max),
+    )
+    for listed_fn, stacked_fn in pairs:
+        value = listed_fn(list(x), temperature=t)
+        np.testing.assert_allclose(value, stacked_fn(x, temperature=t), rtol=1e-12)
+        if t > 0:
+            stacked = jax.grad(lambda v, f=stacked_fn: f(v, temperature=t))(x)
+            listed = jax.grad(lambda v, f=listed_fn: f(list(v), temperature=t))(x)
+            np.testing.assert_allclose(listed, stacked, rtol=1e-9, atol=1e-12)
+    for v in (jnp.zeros(4), jnp.ones(4)):
+        grad = jax.grad(lambda v: smooth.softmax_mean_of(list(v), temperature=1e-3))(v)
+        assert np.all(np.isfinite(grad))

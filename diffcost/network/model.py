@@ -46,36 +46,44 @@ _REDUCTION = {"all_reduce": 1.0, "reduce_scatter": 0.5}  # passes of the reducti
 
 def _hat(log_grid, x):
     """Index of the grid cell below ``x`` (clamped to the grid's cells) and the linear weight
-    of the cell above: one comparison per grid point and selects, no search and no gather (a
-    batched sweep runs a search as a loop of gathers)."""
-    i = jnp.zeros(jnp.shape(x), dtype=jnp.int32)
-    lo, hi = log_grid[0], log_grid[1]
-    for k in range(1, log_grid.shape[0] - 1):
-        above = x >= log_grid[k]
-        i = i + above.astype(jnp.int32)
-        lo = jnp.where(above, log_grid[k], lo)
-        hi = jnp.where(above, log_grid[k + 1], hi)
+    of the cell above. The index is a count of the inner grid points at or below ``x`` (a
+    reduction, which XLA computes once and does not fuse into the gather that reads it, where
+    a chain of comparisons would be recomputed for every gathered value); no search (a batched
+    sweep runs a search as a loop of gathers)."""
+    log_grid = jnp.asarray(log_grid)
+    i = jnp.sum((x[..., None] >= log_grid[1:-1]).astype(jnp.int32), axis=-1)
+    lo = log_grid.at[i].get(mode="promise_in_bounds")
+    hi = log_grid.at[i + 1].get(mode="promise_in_bounds")
     return i, smooth.clip_exact((x - lo) / (hi - lo), 0.0, 1.0)
 
 
 def _cell_corners(table, g):
-    """``[(g - 1) ** 2, 4, columns]``: the corners ``(i, j), (i, j + 1), (i + 1, j), (i + 1,
-    j + 1)`` of every cell ``i (g - 1) + j`` of a ``[g * g, columns]`` table, so that reading a
-    cell is one gather of a contiguous row (as ``kernels._cell_corners``)."""
+    """``[columns, (g - 1) ** 2, 4]``: per column of a ``[g * g, columns]`` table, the corners
+    ``(i, j), (i, j + 1), (i + 1, j), (i + 1, j + 1)`` of every cell ``i (g - 1) + j``, so that
+    reading a column at a cell is one gather of four contiguous values."""
     t = table.reshape(g, g, -1)
     corners = [t[:-1, :-1], t[:-1, 1:], t[1:, :-1], t[1:, 1:]]
-    return jnp.stack(corners, axis=2).reshape((g - 1) * (g - 1), 4, -1)
+    return jnp.stack(corners, axis=-1).reshape((g - 1) * (g - 1), -1, 4).transpose(1, 0, 2)
 
 
-def _lookup(corners, log_grid, size, stride):
-    """``[columns]`` at ``(size, stride)`` of a table's ``_cell_corners``, bilinear in the logs."""
+def _lookup(corners, log_grid, size, stride, columns):
+    """``[value of each column in columns]`` at ``(size, stride)`` of a table's
+    ``_cell_corners``, bilinear in the logs.
+
+    One gather per column, of its cell's four corners: in a batched sweep each value is then
+    a contiguous array over the batch, where one gather of every column's corners leaves the
+    batch outermost and every later read of one column strided across all of them."""
     g = log_grid.shape[0]
     i, wi = _hat(log_grid, jnp.log(size))
     j, wj = _hat(log_grid, jnp.log(stride))
-    v = corners.at[i * (g - 1) + j].get(mode="promise_in_bounds")
-    low = (1.0 - wj) * v[0] + wj * v[1]
-    high = (1.0 - wj) * v[2] + wj * v[3]
-    return (1.0 - wi) * low + wi * high
+    cell = i * (g - 1) + j
+    out = []
+    for c in columns:
+        v = corners[c].at[cell].get(mode="promise_in_bounds")
+        low = (1.0 - wj) * v[0] + wj * v[1]
+        high = (1.0 - wj) * v[2] + wj * v[3]
+        out.append((1.0 - wi) * low + wi * high)
+    return out
 
 
 def tier_capacity_Bps(tables: NetworkTables, params: Params):
@@ -90,7 +98,8 @@ class Priced:
     tier's seconds per buffer byte, a smooth maximum over tiers) and ``latency_s`` (scaled),
     ``[G * G, slots]`` each; the effective ``capacity`` of the tiers; and ``corners``, the
     ``_cell_corners`` of ``[s_per_byte | latency_s | tables.load]`` (``slots * (2 + tiers)``
-    columns). Computed once per (tables, params), outside any batch over plans."""
+    columns, ``[columns, cells, 4]``). Computed once per (tables, params), outside any batch
+    over plans."""
 
     s_per_byte: jax.Array
     latency_s: jax.Array
@@ -126,7 +135,7 @@ def slots_of(names) -> tuple:
 
 
 def group(tables: NetworkTables, prices: Priced, size, stride, slots=None, loads=()) -> Group:
-    """The ``Group`` of ``size`` ranks ``stride`` apart, looked up in one gather.
+    """The ``Group`` of ``size`` ranks ``stride`` apart, looked up in one gather per column.
 
     Args:
         slots: indices in ``SLOTS`` to look up (default all).
@@ -136,13 +145,13 @@ def group(tables: NetworkTables, prices: Priced, size, stride, slots=None, loads
     slots = tuple(range(n)) if slots is None else tuple(slots)
     cols = [*slots, *(n + s for s in slots)]
     cols += [2 * n + s * tiers + t for s in loads for t in range(tiers)]
-    v = _lookup(prices.corners[:, :, jnp.asarray(cols)], tables.log_grid, size, stride)
+    v = _lookup(prices.corners, tables.log_grid, size, stride, cols)
     k = len(slots)
     return Group(
         size,
         {s: v[i] for i, s in enumerate(slots)},
         {s: v[k + i] for i, s in enumerate(slots)},
-        {s: v[2 * k + i * tiers : 2 * k + (i + 1) * tiers] for i, s in enumerate(loads)},
+        {s: jnp.stack(v[2 * k + i * tiers : 2 * k + (i + 1) * tiers]) for i, s in enumerate(loads)},
     )
 
 
@@ -150,7 +159,8 @@ def group_load(tables: NetworkTables, size, stride):
     """``[slots, tiers]`` bytes on each tier's busiest link per buffer byte of the group."""
     g = tables.log_grid.shape[0]
     corners = _cell_corners(tables.load.reshape(g * g, -1), g)
-    return _lookup(corners, tables.log_grid, size, stride).reshape(tables.load.shape[1:])
+    v = _lookup(corners, tables.log_grid, size, stride, range(corners.shape[0]))
+    return jnp.stack(v).reshape(tables.load.shape[1:])
 
 
 def _present(msg_bytes):
@@ -207,9 +217,13 @@ def traffic_row(items, g: Group, load, params: Params, temperature):
 def shared_delays_s(rows, capacity, temperature=sharing.DEFAULT_TEMPERATURE):
     """``[flows]`` delay of each of concurrent collectives (``rows``: ``[flows, tiers]``
     bytes on each tier's busiest link) from sharing the tiers max-min fairly: completion
-    together minus completion alone (``sharing.few_flows_completion_s``, all starting
-    together)."""
-    rows = jnp.stack(rows)
-    together = sharing.few_flows_completion_s(rows, capacity, temperature)
-    alone = smooth.smooth_max(rows / capacity, axis=-1, temperature=sharing.CAP_TEMPERATURE)
-    return together - alone
+    together minus completion alone (``sharing.few_flows_of``, all starting together).
+
+    The rows are ``smooth.stored`` first: the unrolled solver reads them in many fused loops,
+    each of which would otherwise recompute them from the table lookups."""
+    rows = smooth.stored(jnp.stack(rows))
+    tiers = range(len(capacity))
+    together, alone = sharing.few_flows_of(
+        [[row[t] for t in tiers] for row in rows], [capacity[t] for t in tiers], temperature
+    )
+    return jnp.stack([a - b for a, b in zip(together, alone)])
