@@ -539,7 +539,10 @@ def result_from_tables(problem, tables, logs, initial_logs, losses, seconds, con
     """The ``FitResult`` of raw ``tables`` (problem order) whose log predictions per level are
     ``logs`` (``initial_logs`` at the start)."""
     dev, clu = tables
-    resid = lambda lg: {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in lg.items()}  # noqa: E731
+
+    def resid(level_logs):
+        return {k: np.asarray(v - problem.data[k]["log_meas"]) for k, v in level_logs.items()}
+
     p0 = default_params()
     device_values, cluster_values, by_cluster = {}, {}, {}
     for i, fam in enumerate(problem.families):

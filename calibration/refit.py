@@ -37,7 +37,6 @@ import numpy as np
 
 from calibration import fit as F
 from calibration import posterior
-from diffcost.stacks import STACK_EFFECTS
 
 # Candidate noise-to-prior variance ratios, log-spaced over six decades: at 1e-4 the runs are
 # matched almost exactly, at 1e2 the update is a small fraction of the start's error.
@@ -153,20 +152,9 @@ def _objective(resid, delta, var, alpha) -> float:
     return float(np.sum(resid**2) / alpha + np.sum(delta[free] ** 2 / var[free]))
 
 
-def stack_variances(problem: F.Problem) -> np.ndarray:
-    """Flat prior variances (``posterior.prior_widths``' order) that free only what a software
-    stack decides (``diffcost.stacks.STACK_EFFECTS``: kernel efficiencies, host costs,
-    overlaps, overheads), each with its stack effect's width; every other constant 0."""
-    widths = {e.leaf: e.prior_sd for e in STACK_EFFECTS}
-    dev = [widths.get(leaf, 0.0) for _, _, leaf, _ in posterior.DEV_ENTRIES]
-    clu = [widths.get(leaf, 0.0) for _, _, leaf, _ in posterior.CLU_ENTRIES]
-    return np.square(np.array(dev * len(problem.families) + clu * len(problem.clusters)))
-
-
 def refit(
     problem: F.Problem, tables, rows=None, temperature: float = F.FitConfig().temperature,
-    strengths=None, steps: int = GN_STEPS, variances=None, noise_sd: float | None = None,
-    power: float = LOO_POWER,
+    strengths=None, steps: int = GN_STEPS, noise_sd: float | None = None,
 ) -> Refit:  # fmt: skip
     """Update ``tables`` (raw device and cluster tables in ``problem``'s order, the start and
     the prior's centre) with the e2e runs ``rows`` of ``problem`` (indices; default: those of
@@ -180,16 +168,16 @@ def refit(
     # the model mixes integer widths (as ``F.fit``): standard promotion while refitting
     with jax.numpy_dtype_promotion("standard"):
         strengths = strengths_for(noise_sd) if strengths is None else strengths
-        return _refit(problem, tables, rows, temperature, strengths, steps, variances, power)
+        return _refit(problem, tables, rows, temperature, strengths, steps)
 
 
-def _refit(problem, tables, rows, temperature, strengths, steps, variances, power) -> Refit:
+def _refit(problem, tables, rows, temperature, strengths, steps) -> Refit:
     runs = runs_problem(problem, rows)
     if runs.counts["e2e"] == 0:
         raise ValueError("a few-shot refit needs at least one end-to-end run")
-    var = np.square(posterior.prior_widths(problem)) if variances is None else variances
+    var = np.square(posterior.prior_widths(problem))
     resid0, design = _linearise(runs, tables, temperature)
-    alpha, scores = choose_strength(design, var, resid0, strengths, power)
+    alpha, scores = choose_strength(design, var, resid0, strengths)
     if alpha is None:
         return Refit(tables, None, scores, -resid0, -resid0)
     delta, resid, current = np.zeros_like(var), resid0, tables
