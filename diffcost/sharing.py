@@ -350,11 +350,11 @@ def _few_rates(work_s, crosses, running, rounds, cap, temperature):
     active = [jnp.ones_like(r) for r in running]
     frozen = [jnp.zeros_like(r) for r in running]
     for r in range(rounds):
-        unfrozen = [_sum_of([row[k] * a for row, a in zip(load, active)]) for k in links]
+        unfrozen = [smooth.sum_of([row[k] * a for row, a in zip(load, active)]) for k in links]
         if r == 0:
             rem = [1.0 for _ in links]
         else:
-            used = [_sum_of([row[k] * z for row, z in zip(load, frozen)]) for k in links]
+            used = [smooth.sum_of([row[k] * z for row, z in zip(load, frozen)]) for k in links]
             rem = [smooth.clip_exact(1.0 - u, 0, 1) for u in used]
         congestion = [u / (c + CAPACITY_FLOOR) for u, c in zip(unfrozen, rem)]
         top = smooth.softmax_mean_of(congestion, temperature=temperature)
@@ -368,11 +368,6 @@ def _few_rates(work_s, crosses, running, rounds, cap, temperature):
         ]
         frozen = [z + (a - s) * level for z, a, s in zip(frozen, active, still)]
         active = still
-
-
-def _sum_of(xs):
-    """Left to right, as a reduction over a stacked axis adds."""
-    return sum(xs[1:], xs[0])
 
 
 def _prod_of(xs):
@@ -447,8 +442,10 @@ def few_flows_of(rows, capacity_Bps, temperature: float = DEFAULT_TEMPERATURE):
     alone_s = [smooth.smooth_max_of(row, temperature=CAP_TEMPERATURE) for row in work_s]
     running = [(a > 0).astype(a.dtype) for a in alone_s]
     # no level exceeds the sum of the alone rates, no phase the sum of the alone times
-    cap = FEW_HEADROOM * jax.lax.stop_gradient(_sum_of([smooth.safe_div(1.0, a) for a in alone_s]))
-    horizon = FEW_HEADROOM * jax.lax.stop_gradient(_sum_of(alone_s))
+    cap = FEW_HEADROOM * jax.lax.stop_gradient(
+        smooth.sum_of([smooth.safe_div(1.0, a) for a in alone_s])
+    )
+    horizon = FEW_HEADROOM * jax.lax.stop_gradient(smooth.sum_of(alone_s))
     left = [jnp.ones_like(r) for r in running]
     elapsed = [jnp.zeros_like(r) for r in running]
     for p in range(n):

@@ -155,6 +155,12 @@ def softmax_mean(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMP
     return jnp.where(jnp.squeeze(ok, axis=axis), out, exact)
 
 
+def sum_of(xs):
+    """The sum of a list of same-shape arrays, left to right (as a reduction over a stacked
+    axis adds them)."""
+    return sum(xs[1:], xs[0])
+
+
 def _max_of(xs):
     out = xs[0]
     for x in xs[1:]:
@@ -170,12 +176,12 @@ def smooth_max_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     if temperature == 0:
         return exact
     a = [jnp.abs(x) for x in xs]
-    scale = sum(a[1:], a[0]) / len(xs)
+    scale = sum_of(a) / len(xs)
     ok = temperature * scale > jnp.finfo(exact.dtype).tiny
     tau = temperature * jnp.where(ok, scale, 1.0)
     m = jax.lax.stop_gradient(exact)
     e = [jnp.exp((x - m) / tau) for x in xs]
-    out = m + tau * jnp.log(sum(e[1:], e[0]))
+    out = m + tau * jnp.log(sum_of(e))
     return jnp.where(ok, out, exact)
 
 
@@ -198,7 +204,7 @@ def softmax_mean_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     inverse = 1.0 / tau
     y = _softmax_of([x * inverse for x in xs])
     w = [yi * x for yi, x in zip(y, xs)]
-    out = sum(w[1:], w[0])
+    out = sum_of(w)
     return jnp.where(ok, out, exact)
 
 
@@ -208,7 +214,7 @@ def _softmax_of(z):
     derivative ``y * (dz - sum(y * dz))``."""
     top = _max_of(z)
     e = [jnp.exp(zi - top) for zi in z]
-    total = sum(e[1:], e[0])
+    total = sum_of(e)
     return [ei / total for ei in e]
 
 
@@ -217,7 +223,7 @@ def _softmax_of_jvp(primals, tangents):
     (z,), (dz,) = primals, tangents
     y = _softmax_of(z)
     mean = [yi * di for yi, di in zip(y, dz)]
-    mean = sum(mean[1:], mean[0])
+    mean = sum_of(mean)
     return y, [yi * (di - mean) for yi, di in zip(y, dz)]
 
 
@@ -277,11 +283,11 @@ def smooth_min_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     tau = temperature * jnp.where(ok, scale, 1.0)
     m = jax.lax.stop_gradient(exact)
     e = [jnp.exp((m - x) / tau) for x in xs]
-    total = sum(e[1:], e[0])
+    total = sum_of(e)
     # where the temperature vanishes (every value ~0), the exact minimum with its gradient
     # shared equally by the tied arrays, as ``jnp.min`` over a stacked axis shares it
     ties = [(x == exact).astype(exact.dtype) for x in xs]
-    count = sum(ties[1:], ties[0])
+    count = sum_of(ties)
     at_min = m + sum(t * (x - m) for t, x in zip(ties, xs)) / count
     value = jnp.where(ok, m - tau * jnp.log(total), at_min)
     return value, [jnp.where(ok, ei / total, h) for ei, h in zip(e, hard)]
