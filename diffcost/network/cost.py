@@ -485,13 +485,15 @@ def _algorithm_s(
 
 
 def _effective_links(
-    pricing: CollectivePricing, capacity_Bps, params: Params, in_switch=0.0, tcp_ring=0.0
+    pricing: CollectivePricing, capacity_Bps, params: Params, name: str, alg: AlgorithmArrays
 ):
     """Capacities times their class's efficiency and latencies times its scale, on the
-    pricing's links; NVLink links run at ``nvls_ratio * nvlink_eff`` for an algorithm
-    ``in_switch``, network links at ``tcp_ring_share * nic_eff`` for ``tcp_ring`` 1.0."""
+    pricing's links, for algorithm ``name`` (``alg``): NVLink links run at ``nvls_ratio *
+    nvlink_eff`` for an algorithm ``in_switch``, network links at ``tcp_ring_share * nic_eff``
+    for the ring over a TCP transport (``TCP_RING_ALGORITHMS``)."""
     fast = pricing.nvlink
-    nvlink_eff = params.nvlink_eff * (1.0 + in_switch * (params.nvls_ratio - 1.0))
+    tcp_ring = pricing.tcp if name in TCP_RING_ALGORITHMS else 0.0
+    nvlink_eff = params.nvlink_eff * (1.0 + alg.in_switch * (params.nvls_ratio - 1.0))
     nic_eff = params.nic_eff * (1.0 + tcp_ring * (params.tcp_ring_share - 1.0))
     eff = fast * nvlink_eff + (1.0 - fast) * nic_eff
     capacity = jnp.take(jnp.asarray(capacity_Bps), pricing.links) * eff
@@ -534,8 +536,7 @@ def collective_time_s(
         gpu_s = gpu_s + TRAFFIC[pricing.collective] / 2.0 * msg_bytes / params.reduce_Bps
     times = []
     for name, alg in zip(pricing.names, pricing.algorithms):
-        ring = pricing.tcp if name in TCP_RING_ALGORITHMS else 0.0
-        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch, ring)
+        capacity, latency = _effective_links(pricing, capacity_Bps, params, name, alg)
         late = pricing.xla * params.sendrecv_half_bw_bytes if name in SENDRECV_ALGORITHMS else 0.0
         t = _algorithm_s(
             alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined, late
@@ -556,8 +557,7 @@ def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0)
     """``{name: seconds}`` of each algorithm alone (bandwidth and latency terms only)."""
     out = {}
     for name, alg in zip(pricing.names, pricing.algorithms):
-        ring = pricing.tcp if name in TCP_RING_ALGORITHMS else 0.0
-        capacity, latency = _effective_links(pricing, capacity_Bps, params, alg.in_switch, ring)
+        capacity, latency = _effective_links(pricing, capacity_Bps, params, name, alg)
         out[name] = _algorithm_s(
             alg, msg_bytes, capacity, latency, params, temperature, most_loaded_link_s, True
         )
