@@ -15,7 +15,7 @@ jax, optax and numpy are installed). Writes, under ``--out``:
 * ``e2e.csv``: GPT training steps (pre-LayerNorm, GELU MLP of 4 x hidden, tied embeddings,
   fp32 master weights and AdamW state, bf16 matrix products, layers under ``lax.scan``), in
   the ``calibration.csv`` format with ``measured_peak_mem_gib`` added (``--e2e-set`` picks one
-  of ``E2E_SETS``): XLA's buffer assignment of the compiled step (arguments + outputs +
+  of ``e2e_sets()``): XLA's buffer assignment of the compiled step (arguments + outputs +
   temporaries - aliased), which is what the program allocates on the device beside the
   allocator's own slack.
 * ``meta.json``: device, software versions, the command line, the date.
@@ -109,7 +109,13 @@ E2E_RECOMPUTE = (
     ("GPT-h2560-L32", 32, 2560, 32, 2048, 2, "full"),
     ("GPT-h4096-L12", 12, 4096, 32, 2048, 2, "full"),
 )
-E2E_SETS = ("base", "more", "recompute")
+
+
+def e2e_sets() -> dict:
+    """``--e2e-set`` name -> configs, read when called (tests patch the tuples)."""
+    return {"base": E2E_CONFIGS, "more": E2E_MORE, "recompute": E2E_RECOMPUTE}
+
+
 VOCAB = 51200
 QUICK_SCALE = 16  # --quick divides sizes by this (a CPU smoke run)
 
@@ -365,8 +371,7 @@ def _model_flops(layers, h, s, vocab, tokens):
 
 
 def e2e_rows(run, scale: int):
-    sets = {"base": E2E_CONFIGS, "more": E2E_MORE, "recompute": E2E_RECOMPUTE}
-    configs = sets[run.args.e2e_set]
+    configs = e2e_sets()[run.args.e2e_set]
     for name, layers, hidden, heads, seq, mb, recompute in configs:
         h, s = hidden // scale, max(64, seq // scale)
         layers_ = max(2, layers // scale)
@@ -489,7 +494,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=420.0, help="skip what starts later")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per config")
     p.add_argument("--only", default="kernels,e2e", help="kernels, e2e or both")
-    p.add_argument("--e2e-set", choices=E2E_SETS, default="base", help="e2e configs")
+    p.add_argument("--e2e-set", choices=tuple(e2e_sets()), default="base", help="e2e configs")
     p.add_argument("--quick", action="store_true", help="sizes / 16: a CPU smoke run")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
