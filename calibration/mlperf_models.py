@@ -30,9 +30,8 @@ graphs, data parallel) and DLRM-DCNv2 (embedding tables and an all-to-all, ``dif
   ResNet-50; the losses and anchor matching are outside the graph.
 * **DLRM-DCNv2** (``dlrm_dcnv2``): ``configs/dlrm/dlrm-dcnv2.yaml`` (the reference's 26 Criteo
   1TB multi-hot tables, dimension 128, DCNv2 3 x rank 512) at the row's global batch on its
-  GPUs, priced by ``dlrm_cost`` under the greedy (TorchRec-planner-like) sharding plan of
-  ``dlrm_search.greedy``. The submissions run NVIDIA's HugeCTR with its own hybrid embedding
-  placement; the greedy plan stands in for it.
+  GPUs, priced by ``dlrm_cost`` under the sharding plan HugeCTR's planner picks
+  (``dlrm_hugectr.plan``: ``auto`` on one node, ``hier_auto`` on several, as NVIDIA's configs).
 """
 
 from __future__ import annotations
@@ -47,7 +46,8 @@ from calibration.records import Source
 from diffcost import zoo
 from diffcost.dlrm import DlrmSpec, load_dlrm
 from diffcost.dlrm_cost import ShardingPlan, make_problem, one_hot_plan
-from diffcost.dlrm_search import greedy
+from diffcost.dlrm_hugectr import PlannerConfig
+from diffcost.dlrm_hugectr import plan as hugectr_plan
 from diffcost.opgraph import from_jax, graph_arrays
 from diffcost.opgraph.pricing import GraphArrays
 from diffcost.profiles import params_for
@@ -75,6 +75,11 @@ DLRM_TRAIN_SAMPLES = 4_195_197_692
 DLRM_EVAL_SAMPLES = 89_137_319
 DLRM_EVAL_EVERY_EPOCH = 0.05
 DLRM_EVAL_PER_TRAIN = DLRM_EVAL_SAMPLES / (DLRM_EVAL_EVERY_EPOCH * DLRM_TRAIN_SAMPLES)
+# HugeCTR planner settings of NVIDIA's v4.0 configs (merlin_hugectr/config_DGXH200_1x8x6912.sh
+# and config_DGXH100_16x8x1056.sh: DP_SHARDING_THRESHOLD 0.008 on one node, 0.0125 on 16);
+# their MEM_COMM_BW_RATIO (11, 67) is what ``dlrm_hugectr.cluster_bw_ratio`` computes.
+DLRM_PLANNER_ONE_NODE = PlannerConfig(dp_threshold_gib=0.008)
+DLRM_PLANNER_NODES = PlannerConfig(dp_threshold_gib=0.0125)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +153,7 @@ def dlrm_record(row, cluster: ClusterSpec, used: list[str], row_no: int) -> Dlrm
     if row.global_batch % row.n_gpus:
         raise ValueError(f"global batch {row.global_batch} is not a multiple of {row.n_gpus}")
     spec = load_dlrm(DLRM_PRESET, {"batch_size": row.global_batch, **DLRM_HUGECTR})
-    used += [f"dlrm={DLRM_PRESET}", f"batch={row.global_batch}", "sharding=greedy planner"]
+    used += [f"dlrm={DLRM_PRESET}", f"batch={row.global_batch}", "sharding=HugeCTR planner"]
     used.append("16-bit embedding exchange and gradient all-reduce (HugeCTR mixed precision)")
     used.append(
         f"measured step includes evaluation: {DLRM_EVAL_PER_TRAIN:.3f} forward-only samples "
@@ -198,9 +203,12 @@ def zoo_param_count(name: str) -> int:
 
 
 def dlrm_problem_plan(record: DlrmRecord, dtype=None):
-    """(problem, greedy one-hot plan) of a DLRM record on its shipped profile."""
+    """(problem, one-hot plan) of a DLRM record on its shipped profile: HugeCTR's planner's
+    plan, its tables split into their shards."""
     params = params_for(record.cluster, dtype=dtype)[0]
-    problem = make_problem(record.spec, record.cluster, record.n_gpus, params, dtype)
-    choices = greedy(problem).choices
+    one_node = record.n_gpus <= record.cluster.gpus_per_node
+    cfg = DLRM_PLANNER_ONE_NODE if one_node else DLRM_PLANNER_NODES
+    spec, choices = hugectr_plan(record.spec, record.cluster, record.n_gpus, cfg)
+    problem = make_problem(spec, record.cluster, record.n_gpus, params, dtype)
     plan: ShardingPlan = one_hot_plan(choices, problem.layout, dtype)
     return problem, plan

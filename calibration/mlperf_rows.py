@@ -4,7 +4,7 @@
 * ``GraphRows``: data-parallel operator-graph runs (``mlperf_models.GraphRecord``), one
   ``opgraph.data_parallel.data_parallel_step_s`` per row, vectorized over rows (every row's
   graph is the same model at its own batch, so the per-operator arrays stack);
-* ``DlrmRows``: DLRM runs (``mlperf_models.DlrmRecord``), ``dlrm_cost`` of each row's greedy
+* ``DlrmRows``: DLRM runs (``mlperf_models.DlrmRecord``), ``dlrm_cost`` of each row's HugeCTR
   plan (rows on different GPU counts have differently shaped problems: a loop over rows), plus
   the evaluation the logged throughput includes: ``DLRM_EVAL_PER_TRAIN`` times the forward
   pass per step (an evaluated sample taken to cost what a trained sample's forward does).
@@ -85,7 +85,7 @@ _PLANS: dict = {}
 
 def problem_plan(r: DlrmRecord):
     """``mlperf_models.dlrm_problem_plan`` of ``r``, found once per model, batch, cluster and
-    GPU count (the greedy plan depends on nothing else; repeated systems share it)."""
+    GPU count (the plan depends on nothing else; repeated systems share it)."""
     key = (r.spec, r.cluster.name, r.n_gpus)
     if key not in _PLANS:
         _PLANS[key] = dlrm_problem_plan(r)
@@ -94,7 +94,7 @@ def problem_plan(r: DlrmRecord):
 
 @struct.dataclass
 class DlrmRows(FamilyOffsets):
-    """DLRM runs: each row's sharding problem (on its shipped profile) and greedy plan."""
+    """DLRM runs: each row's sharding problem (on its shipped profile) and HugeCTR plan."""
 
     problems: tuple
     plans: tuple
