@@ -108,5 +108,7 @@ def test_command_prints_a_plan(tmp_path, capsys):
     assert code == 0 and out["best"]["fits"]
     assert [t["name"] for t in out["best"]["tables"]] == ["big", "small"]
     assert out["best"]["iteration_s"] <= out["greedy"]["iteration_s"] * (1 + 1e-9)
+    # HugeCTR's planner cuts the hot table (20 of 22 lookups per sample) into row shards
+    assert out["hugectr"]["shards"].get("big", 1) > 1 and out["hugectr"]["iteration_s"] > 0
     assert main(argv[:2] + ["--cluster", "dgx-h100", "--gpus", "3"]) == 2  # 8192 % 3 != 0
     assert "not divisible by n_gpus=3" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """``diffcost shard-embeddings``: an embedding-table sharding plan for a DLRM, by gradient search.
 
 Loads a DLRM (``configs/dlrm`` preset or YAML path) and a cluster, runs
-``diffcost.dlrm_search.search`` and the greedy planner, and prints the plan found (one row per
-table), its iteration time and parts, and the greedy plan's time; ``--json`` prints one object.
+``diffcost.dlrm_search.search``, the greedy planner and HugeCTR's planner
+(``diffcost.dlrm_hugectr``), and prints the plan found (one row per table), its iteration time
+and parts, and the two baselines' times; ``--json`` prints one object.
 Exit code 1 when no plan fits in memory.
 """
 
@@ -16,7 +17,8 @@ from diffcost import config
 from diffcost.arrays import GiB
 from diffcost.cli import common
 from diffcost.dlrm import DlrmSpec, load_dlrm
-from diffcost.dlrm_cost import dlrm_cost, make_problem, one_hot_plan
+from diffcost.dlrm_cost import dlrm_cost, fits, make_problem, one_hot_plan
+from diffcost.dlrm_hugectr import plan as hugectr_plan
 from diffcost.dlrm_search import DlrmSearchConfig, Scored, greedy, search
 from diffcost.profiles import params_for
 
@@ -56,6 +58,24 @@ def plan_dict(spec: DlrmSpec, problem, found: Scored) -> dict:
     }
 
 
+def hugectr_dict(spec: DlrmSpec, cluster, n_gpus: int, params) -> dict:
+    """HugeCTR's planner's plan (``auto`` on one node, ``hier_auto`` on several, NVIDIA's
+    defaults): its time, memory and the tables it cuts into shards."""
+    split, choices = hugectr_plan(spec, cluster, n_gpus)
+    problem = make_problem(split, cluster, n_gpus, params)
+    out = dlrm_cost(problem, one_hot_plan(choices, problem.layout), 0.0)
+    shards: dict[str, int] = {}
+    for t in split.tables:
+        base = t.name.split("/")[0]
+        shards[base] = shards.get(base, 0) + 1
+    return {
+        "iteration_s": float(out.iteration_s),
+        "fits": bool(fits(out)),
+        "memory_peak_bytes": float(out.memory_peak_bytes),
+        "shards": {name: k for name, k in shards.items() if k > 1},
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the command; 0 when the plan found fits, 1 otherwise."""
     common.check_at_least("--gpus", args.gpus, 1)
@@ -77,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         "started_from": result.started_from,
         "best": plan_dict(spec, problem, result.best),
         "greedy": plan_dict(spec, problem, baseline),
+        "hugectr": hugectr_dict(spec, cluster, args.gpus, params),
     }
     if args.json:
         common.print_json(out)
@@ -103,6 +124,12 @@ def _print(out: dict) -> None:
         f"{1e3 * base['iteration_s']:.3f} ms; peak memory {best['memory_peak_bytes'] / GiB:.1f} "
         f"of {best['memory_capacity_bytes'] / GiB:.0f} GiB"
         + ("" if best["fits"] else " (does NOT fit)")
+    )
+    hug = out["hugectr"]
+    cut = ", ".join(f"{name} in {k}" for name, k in hug["shards"].items()) or "none"
+    print(
+        f"HugeCTR's planner: {1e3 * hug['iteration_s']:.3f} ms (tables cut into row shards: "
+        f"{cut})" + ("" if hug["fits"] else " (does NOT fit)")
     )
     print(
         f"{out['evaluated']} plans evaluated in {out['search_seconds']:.1f} s (best polished from "
