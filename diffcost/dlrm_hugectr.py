@@ -79,10 +79,6 @@ def _bucket_costs(state: _State, hotness, shard_cost):
     return out
 
 
-def _bucket_memory(state: _State, table_gib):
-    return np.array([sum(table_gib[t] / state.splits[t] for t in held) for held in state.buckets])
-
-
 def _place(state: _State, hotness, table_gib, shard_cost, cap):
     """Place every shard, hottest first, into the cheapest bucket with room and without a
     shard of its table. Returns the table whose shard fits nowhere, or None."""
