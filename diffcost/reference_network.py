@@ -39,7 +39,7 @@ import scipy.sparse as sp
 
 from diffcost import api, sharing, smooth, stages, workload
 from diffcost.api import simulate_jit
-from diffcost.network import design_config
+from diffcost.network import design_config, link_sharing
 from diffcost.network import model as netmodel
 from diffcost.network.attach import job_topology
 from diffcost.network.graph import Topology
@@ -218,22 +218,32 @@ def exact_bucket_s(flows: SharedFlows) -> tuple[float, float]:
 
 
 def _smooth_rows(tables, params, traffic, dims, temperature):
-    """The smooth model's bucket bandwidth time alone (its busiest tier) and shared
-    (``network.model.shared_delays_s``), as ``stages.network_comm_times`` computes them."""
+    """The smooth model's bucket bandwidth time alone and shared, as
+    ``stages.network_comm_times`` computes them (per link with ``tables.link_load``, else per
+    tier: ``network.model.shared_delays_s``), and the flows it shares: ``(alone, shared,
+    [flows, links or tiers] incidence, [links or tiers] capacity, [flows] sizes, [flows] 1 for
+    the bucket's)``."""
     prices = netmodel.priced(tables, params, temperature)
+    groups = {d: netmodel.group(tables, prices, *dims[d]) for d in dims}
+    if tables.link_load is not None:
+        flows = link_sharing.shared_flows(traffic, dims, tables, groups, params, temperature)
+        delay, alone = link_sharing.bucket_delay_s(
+            traffic, dims, tables, groups, params, temperature
+        )
+        return alone, alone + delay, *flows[:1], flows[3], flows[1], flows[2]
 
     def row(parts):
         out = 0.0
         for dim, items in parts:
-            g = netmodel.group(tables, prices, *dims[dim])
             load = netmodel.group_load(tables, *dims[dim])
-            out = out + netmodel.traffic_row(items, g, load, params, temperature)
+            out = out + netmodel.traffic_row(items, groups[dim], load, params, temperature)
         return out
 
     rows = [row(traffic[name]) for name in ROWS]
     delay = netmodel.shared_delays_s(rows, prices.capacity)[0]
     alone = smooth.safe_div(1.0, sharing.alone_rate_Bps(rows[0][None, :], prices.capacity)[0])
-    return alone, alone + delay, jnp.stack(rows), prices.capacity
+    ones, mine = jnp.ones(len(rows)), jnp.arange(len(rows)) == 0
+    return alone, alone + delay, jnp.stack(rows), prices.capacity, ones, mine
 
 
 _STRINGS: dict = {}  # the traffic's tree and its strings, recorded when _job_traffic traces
@@ -257,14 +267,16 @@ def job_traffic(model, plan, tables, params):
     numbers, and the bucket's bandwidth time in seconds: the smooth model's alone and shared
     (jitted), and ``tiers shared``, the exact max-min sharing of the same three tier rows
     (``finish_times_s``): the smooth model's own inputs, shared without smoothing."""
-    numbers, dims, (alone, shared, rows, capacity) = _job_traffic(model, plan, tables, params)
+    numbers, dims, (alone, shared, rows, capacity, sizes, mine) = _job_traffic(
+        model, plan, tables, params
+    )
     it = iter(numbers)
     leaves = [next(it) if x is None else x for x in _STRINGS["strings"]]
     traffic = jax.tree_util.tree_unflatten(_STRINGS["tree"], leaves)
     dims = {d: (round(_f(s)), round(_f(t))) for d, (s, t) in dims.items()}
-    rows, capacity = np.asarray(rows), np.asarray(capacity)
-    done = finish_times_s(sp.csr_matrix(rows), capacity, np.ones(len(rows)))
-    return traffic, dims, (_f(alone), _f(shared), float(done[0]))
+    rows, capacity, sizes = np.asarray(rows), np.asarray(capacity), np.asarray(sizes)
+    done = finish_times_s(sp.csr_matrix(rows), capacity, sizes)
+    return traffic, dims, (_f(alone), _f(shared), float(done[np.asarray(mine) > 0].max()))
 
 
 def compare(graph, n_gpus, model, plan, tables, params) -> SharingComparison:
