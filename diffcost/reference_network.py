@@ -4,10 +4,11 @@ network path's contention.
 With a topology and ``contention``, ``diffcost.stages.network_comm_times`` lets the collectives
 that run at the same time under a layer's backward (``stages.shared_traffic``: the gradient
 bucket, the next layer's tensor-parallel collectives, a pipeline send) share links through
-``diffcost.sharing``: each is one smooth flow whose incidence on a tier is the bytes it puts
-on that tier's busiest link, so the three are taken to meet on the busiest link of each tier.
-This module computes the same delay without that abstraction, in plain numpy/scipy with hard
-minima (no JAX):
+``diffcost.sharing``: on tier tables each is one smooth flow whose incidence on a tier is the
+bytes it puts on that tier's busiest link, so the three are taken to meet on the busiest link
+of each tier; on per-link tables (``build_tables(links=True)``, ``network.link_sharing``) each
+(collective, dimension) is one flow of streams on the links it crosses. This module computes
+the same delay without either abstraction, in plain numpy/scipy with hard minima (no JAX):
 
 * **flows**: every group of each dimension (``tables.groups_of``), with the algorithm NCCL's
   choice picks (the hard minimum of the per-algorithm times ``network.model`` soft-minimises),
@@ -24,7 +25,8 @@ minima (no JAX):
 The bucket's makespan alone and together with the other two gives the exact delay;
 ``iteration`` runs ``reference.simulate_reference`` on the stage times with that delay in
 place of the smooth one. ``benchmarks/topology.py`` (section ``sharing``, ``graph``) compares
-them with the smooth in-program prediction; ``docs/network.md`` quotes the figures.
+them with the smooth in-program prediction (either form); ``docs/network.md`` quotes the
+figures.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class SharingComparison:
 
     smooth_alone_s: float
     smooth_shared_s: float
-    tiers_shared_s: float  # the smooth model's tier rows shared exactly (no smoothing)
+    tiers_shared_s: float  # the smooth model's own rows (tiers or links) shared exactly
     exact_alone_s: float
     exact_shared_s: float
     flows: int
@@ -101,8 +103,8 @@ class SharingComparison:
 
     @property
     def smoothing_err(self) -> float:
-        """Relative error of the smooth sharing against the exact sharing of its own tier
-        rows: what the smoothing costs, apart from the tier abstraction."""
+        """Relative error of the smooth sharing against the exact sharing of its own rows
+        (tiers or links): what the smoothing costs, apart from the abstraction."""
         gap = abs(self.smooth_shared_s - self.tiers_shared_s)
         return gap / self.tiers_shared_s if self.tiers_shared_s > 0 else float(gap > 0)
 
