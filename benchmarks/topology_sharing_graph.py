@@ -1,6 +1,6 @@
 """The network path's link sharing against the exact, event-driven reference on the graph.
 
-    python benchmarks/topology_sharing_graph.py [--quick] [--json] [--update JSON]
+    python benchmarks/topology_sharing_graph.py [--quick] [--tiers] [--json] [--update JSON]
     python benchmarks/topology_sharing_graph.py --iteration
 
 For every example config (``configs/examples``, given ``topology: cluster``: the graph its
@@ -8,14 +8,16 @@ cluster describes; and the jobs of ``configs/designs`` on their topologies) and 
 random jobs on random graphs (``diffcost.sharing_jobs``, 50; ``--quick``: 10),
 ``diffcost.reference_network.compare`` prices a layer's gradient bucket
 shared with the next layer's tensor-parallel collectives and a pipeline send both ways: the
-smooth in-program model (one flow per collective on each tier's busiest link) and the exact
+smooth in-program model on per-link tables (``build_tables(links=True)``: one flow per
+collective and dimension on the links it crosses, ``network.link_sharing``; ``--tiers``: on
+the tier tables, one flow per collective on each tier's busiest link) and the exact
 reference (every flow routed on the graph, max-min fair, event-driven). Figures, in % of the
 exact bucket time: ``examples`` {name: error}; ``corpus_max_err_pct``, ``corpus_mean_err_pct``,
 ``corpus_worst_case``, ``corpus_within_1pct`` (cases), ``corpus_smooth_below_exact`` (cases
 where the smooth time is below the exact one); ``corpus_alone_max_err_pct`` (the
-bucket alone: the sum of its dimensions' busiest links); ``corpus_smoothing_max_err_pct``: the
-smooth sharing against the exact sharing of its own tier rows (the smoothing alone, without
-the tier abstraction). ``benchmarks/topology.py`` puts them in its ``sharing`` section under
+bucket alone); ``corpus_smoothing_max_err_pct``: the smooth sharing against the exact sharing
+of its own rows (the smoothing alone, without the link or tier abstraction); ``sharing``:
+``links`` or ``tiers``. ``benchmarks/topology.py`` puts them in its ``sharing`` section under
 ``graph``; ``--update benchmarks/results/topology.json`` writes them there alone (the other
 figures of that file kept), without the full benchmark. ``--iteration`` prints, per example,
 the iteration time the smooth model predicts (``simulate``), ``reference.simulate_reference``
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diffcost import reference_network, sharing_jobs  # noqa: E402
-from diffcost.network.tables import job_graph  # noqa: E402
+from diffcost.network.tables import build_tables, job_graph  # noqa: E402
 
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml")) + sorted(
     (ROOT / "configs" / "designs").glob("*.yaml")
@@ -51,11 +53,11 @@ TARGET_PCT = 1.0  # benchmarks/topology.py's sharing target
 _example = reference_network.example_job
 
 
-def example_comparison(path: Path) -> reference_network.SharingComparison:
+def example_comparison(path: Path, links: bool) -> reference_network.SharingComparison:
     """``compare`` for one example config on the graph its cluster describes."""
-    model, plan, cluster, params, topology, n = _example(path)
-    graph = job_graph(topology, n)
-    return reference_network.compare(graph, n, model, plan, cluster.network, params)
+    model, plan, _, params, topology, n = _example(path)
+    tables = build_tables(topology, n, links=links)
+    return reference_network.compare(job_graph(topology, n), n, model, plan, tables, params)
 
 
 def print_iterations() -> None:
@@ -71,22 +73,22 @@ def print_iterations() -> None:
         )
 
 
-def job_comparison(job: sharing_jobs.Job) -> reference_network.SharingComparison:
+def job_comparison(job: sharing_jobs.Job, links: bool) -> reference_network.SharingComparison:
     graph = job_graph(job.topology, job.n_gpus)
-    return reference_network.compare(
-        graph, job.n_gpus, job.model, job.plan, job.cluster.network, job.params
-    )
+    tables = build_tables(job.topology, job.n_gpus, links=links)
+    return reference_network.compare(graph, job.n_gpus, job.model, job.plan, tables, job.params)
 
 
-def measure(quick: bool) -> dict:
-    examples = {p.stem: example_comparison(p) for p in EXAMPLES}
+def measure(quick: bool, links: bool = True) -> dict:
+    examples = {p.stem: example_comparison(p, links) for p in EXAMPLES}
     jobs = sharing_jobs.corpus(10 if quick else 50, seed=0)
-    cases = [job_comparison(j) for j in jobs]
+    cases = [job_comparison(j, links) for j in jobs]
     errs = np.array([c.shared_err for c in cases])
     alone = [abs(c.smooth_alone_s - c.exact_alone_s) / c.exact_alone_s for c in cases
              if c.exact_alone_s > 0]  # fmt: skip
     worst = int(np.argmax(errs))
     return {
+        "sharing": "links" if links else "tiers",
         "examples": {k: 100 * c.shared_err for k, c in examples.items()},
         "examples_delay_ms": {
             k: {"smooth": 1e3 * c.smooth_delay_s, "exact": 1e3 * c.exact_delay_s}
@@ -108,7 +110,8 @@ def measure(quick: bool) -> dict:
 
 
 def print_graph(g: dict) -> None:
-    print("sharing on the graph: smooth (tiers) vs exact (routed, event-driven), bucket time:")
+    print(f"sharing on the graph: smooth ({g['sharing']}) vs exact (routed, event-driven), "
+          "bucket time:")  # fmt: skip
     for name, e in g["examples"].items():
         d = g["examples_delay_ms"][name]
         print(f"  {name:32s} {e:8.4f}%  delay smooth {d['smooth']:.4f} ms, "
@@ -127,6 +130,7 @@ def print_graph(g: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 random jobs")
+    parser.add_argument("--tiers", action="store_true", help="the tier tables' sharing")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--update", help="a topology.py JSON whose sharing.graph to replace")
     parser.add_argument("--iteration", action="store_true", help="the iteration per example")
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
     if args.iteration:
         print_iterations()
         return 0
-    g = measure(args.quick)
+    g = measure(args.quick, links=not args.tiers)
     print(json.dumps(g, indent=2)) if args.json else print_graph(g)
     if args.update:
         path = Path(args.update)

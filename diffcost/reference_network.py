@@ -4,10 +4,11 @@ network path's contention.
 With a topology and ``contention``, ``diffcost.stages.network_comm_times`` lets the collectives
 that run at the same time under a layer's backward (``stages.shared_traffic``: the gradient
 bucket, the next layer's tensor-parallel collectives, a pipeline send) share links through
-``diffcost.sharing``: each is one smooth flow whose incidence on a tier is the bytes it puts
-on that tier's busiest link, so the three are taken to meet on the busiest link of each tier.
-This module computes the same delay without that abstraction, in plain numpy/scipy with hard
-minima (no JAX):
+``diffcost.sharing``: on tier tables each is one smooth flow whose incidence on a tier is the
+bytes it puts on that tier's busiest link, so the three are taken to meet on the busiest link
+of each tier; on per-link tables (``build_tables(links=True)``, ``network.link_sharing``) each
+(collective, dimension) is one flow of streams on the links it crosses. This module computes
+the same delay without either abstraction, in plain numpy/scipy with hard minima (no JAX):
 
 * **flows**: every group of each dimension (``tables.groups_of``), with the algorithm NCCL's
   choice picks (the hard minimum of the per-algorithm times ``network.model`` soft-minimises),
@@ -24,7 +25,8 @@ minima (no JAX):
 The bucket's makespan alone and together with the other two gives the exact delay;
 ``iteration`` runs ``reference.simulate_reference`` on the stage times with that delay in
 place of the smooth one. ``benchmarks/topology.py`` (section ``sharing``, ``graph``) compares
-them with the smooth in-program prediction; ``docs/network.md`` quotes the figures.
+them with the smooth in-program prediction (either form); ``docs/network.md`` quotes the
+figures.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import scipy.sparse as sp
 
 from diffcost import api, sharing, smooth, stages, workload
 from diffcost.api import simulate_jit
-from diffcost.network import design_config
+from diffcost.network import design_config, link_sharing
 from diffcost.network import model as netmodel
 from diffcost.network.attach import job_topology
 from diffcost.network.graph import Topology
@@ -78,7 +80,7 @@ class SharingComparison:
 
     smooth_alone_s: float
     smooth_shared_s: float
-    tiers_shared_s: float  # the smooth model's tier rows shared exactly (no smoothing)
+    tiers_shared_s: float  # the smooth model's own rows (tiers or links) shared exactly
     exact_alone_s: float
     exact_shared_s: float
     flows: int
@@ -101,8 +103,8 @@ class SharingComparison:
 
     @property
     def smoothing_err(self) -> float:
-        """Relative error of the smooth sharing against the exact sharing of its own tier
-        rows: what the smoothing costs, apart from the tier abstraction."""
+        """Relative error of the smooth sharing against the exact sharing of its own rows
+        (tiers or links): what the smoothing costs, apart from the abstraction."""
         gap = abs(self.smooth_shared_s - self.tiers_shared_s)
         return gap / self.tiers_shared_s if self.tiers_shared_s > 0 else float(gap > 0)
 
@@ -218,22 +220,32 @@ def exact_bucket_s(flows: SharedFlows) -> tuple[float, float]:
 
 
 def _smooth_rows(tables, params, traffic, dims, temperature):
-    """The smooth model's bucket bandwidth time alone (its busiest tier) and shared
-    (``network.model.shared_delays_s``), as ``stages.network_comm_times`` computes them."""
+    """The smooth model's bucket bandwidth time alone and shared, as
+    ``stages.network_comm_times`` computes them (per link with ``tables.link_load``, else per
+    tier: ``network.model.shared_delays_s``), and the flows it shares: ``(alone, shared,
+    [flows, links or tiers] incidence, [links or tiers] capacity, [flows] sizes, [flows] 1 for
+    the bucket's)``."""
     prices = netmodel.priced(tables, params, temperature)
+    groups = {d: netmodel.group(tables, prices, *dims[d]) for d in dims}
+    if tables.link_load is not None:
+        flows = link_sharing.shared_flows(traffic, dims, tables, groups, params, temperature)
+        delay, alone = link_sharing.bucket_delay_s(
+            traffic, dims, tables, groups, params, temperature
+        )
+        return alone, alone + delay, *flows[:1], flows[3], flows[1], flows[2]
 
     def row(parts):
         out = 0.0
         for dim, items in parts:
-            g = netmodel.group(tables, prices, *dims[dim])
             load = netmodel.group_load(tables, *dims[dim])
-            out = out + netmodel.traffic_row(items, g, load, params, temperature)
+            out = out + netmodel.traffic_row(items, groups[dim], load, params, temperature)
         return out
 
     rows = [row(traffic[name]) for name in ROWS]
     delay = netmodel.shared_delays_s(rows, prices.capacity)[0]
     alone = smooth.safe_div(1.0, sharing.alone_rate_Bps(rows[0][None, :], prices.capacity)[0])
-    return alone, alone + delay, jnp.stack(rows), prices.capacity
+    ones, mine = jnp.ones(len(rows)), jnp.arange(len(rows)) == 0
+    return alone, alone + delay, jnp.stack(rows), prices.capacity, ones, mine
 
 
 _STRINGS: dict = {}  # the traffic's tree and its strings, recorded when _job_traffic traces
@@ -257,14 +269,16 @@ def job_traffic(model, plan, tables, params):
     numbers, and the bucket's bandwidth time in seconds: the smooth model's alone and shared
     (jitted), and ``tiers shared``, the exact max-min sharing of the same three tier rows
     (``finish_times_s``): the smooth model's own inputs, shared without smoothing."""
-    numbers, dims, (alone, shared, rows, capacity) = _job_traffic(model, plan, tables, params)
+    numbers, dims, (alone, shared, rows, capacity, sizes, mine) = _job_traffic(
+        model, plan, tables, params
+    )
     it = iter(numbers)
     leaves = [next(it) if x is None else x for x in _STRINGS["strings"]]
     traffic = jax.tree_util.tree_unflatten(_STRINGS["tree"], leaves)
     dims = {d: (round(_f(s)), round(_f(t))) for d, (s, t) in dims.items()}
-    rows, capacity = np.asarray(rows), np.asarray(capacity)
-    done = finish_times_s(sp.csr_matrix(rows), capacity, np.ones(len(rows)))
-    return traffic, dims, (_f(alone), _f(shared), float(done[0]))
+    rows, capacity, sizes = np.asarray(rows), np.asarray(capacity), np.asarray(sizes)
+    done = finish_times_s(sp.csr_matrix(rows), capacity, sizes)
+    return traffic, dims, (_f(alone), _f(shared), float(done[np.asarray(mine) > 0].max()))
 
 
 def compare(graph, n_gpus, model, plan, tables, params) -> SharingComparison:

@@ -121,16 +121,26 @@ def random_job(rng: np.random.Generator, index: int = 0) -> Job:
         base = str(rng.choice(BASES))
         overrides = random_overrides(rng, n, experts=base.startswith("mixtral"))
         try:
-            exp = api.load(EXAMPLES / base, overrides)
+            return job_of(graph, n, base, overrides, f"random {index}")
         except ConfigError:
             continue
-        model, plan, cluster = api.experiment_arrays(exp)
-        tables = build_tables(graph, n)
-        params = api.params_for(exp)[0]
-        name = f"random {index}: {Path(base).stem} on {graph.name} ({n} GPUs) " + " ".join(
-            o.split(".")[-1] for o in overrides[1:7]
-        )
-        return Job(name, graph, n, model, plan, cluster.replace(network=tables), params)
+
+
+def job_of(graph: Topology, n: int, base: str, overrides, label: str, links=False) -> Job:
+    """The job of example ``base`` (a file of ``configs/examples``) with config ``overrides``
+    on ``n`` GPUs of ``graph`` (``links``: per-link tables, ``build_tables(links=True)``).
+
+    Raises:
+        ConfigError: the overrides make an invalid config.
+    """
+    exp = api.load(EXAMPLES / base, overrides)
+    model, plan, cluster = api.experiment_arrays(exp)
+    tables = build_tables(graph, n, links=links)
+    params = api.params_for(exp)[0]
+    name = f"{label}: {Path(base).stem} on {graph.name} ({n} GPUs) " + " ".join(
+        o.split(".")[-1] for o in overrides[1:7]
+    )
+    return Job(name, graph, n, model, plan, cluster.replace(network=tables), params)
 
 
 def corpus(n: int, seed: int = 0) -> list[Job]:

@@ -27,6 +27,7 @@ from flax import struct
 
 from diffcost import comm, kernels, smooth, workload
 from diffcost.arrays import ACT_BYTES, ClusterArrays, PlanArrays
+from diffcost.network import link_sharing
 from diffcost.network import model as netmodel
 from diffcost.params import HEAD_GRID_LOG2_LO, Params
 from diffcost.workload import LayerWork
@@ -278,7 +279,9 @@ def network_comm_times(
     """``CommTimes`` priced on a topology's ``NetworkTables`` (``diffcost.network.model``).
 
     With ``tables.contention``, the collectives the execution graph runs at the same time
-    (``shared_traffic``) share the tiers max-min fairly: a layer's gradient bucket (ZeRO-0/1/2;
+    (``shared_traffic``) share the tiers' busiest links, or with per-link tables
+    (``build_tables(links=True)``) the links they cross (``network.link_sharing``), max-min
+    fairly: a layer's gradient bucket (ZeRO-0/1/2;
     ZeRO-3: the layer's parameter gathers and gradient scatters) runs under the next layer's
     backward, with its tensor-parallel collectives and a pipeline send; its delay is added to
     the bucket (and to the ZeRO-3 gathers). The delays of the tensor-parallel collectives and
@@ -314,6 +317,10 @@ def network_comm_times(
     comms = _comm_times(t, a2a_s, p2p_s)
     if not tables.contention:
         return comms
+    if shared_delay_s is None and tables.link_load is not None:
+        shared_delay_s = link_sharing.bucket_delay_s(
+            traffic, dims, tables, groups, params, temperature
+        )[0]
     if shared_delay_s is None:
 
         def row(parts):

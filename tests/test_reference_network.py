@@ -7,6 +7,7 @@ model shares one flow per collective on the busiest link of each tier. On the ex
 (symmetric layouts on the graphs their clusters describe) the two agree; on asymmetric random
 layouts the tier abstraction overestimates the bucket time (``benchmarks/
 topology_sharing_graph.py`` measures by how much), while the smoothing itself stays exact.
+The per-link form, which does not, is checked in ``test_link_sharing.py``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,11 @@ def job_topology(cluster: ClusterSpec, n_gpus: int, topology: str | None = None)
 
 
 def job_tables(
-    cluster: ClusterSpec, n_gpus: int, topology: str | None = None, contention: bool = True
+    cluster: ClusterSpec,
+    n_gpus: int,
+    topology: str | None = None,
+    contention: bool = True,
+    links: bool = False,
 ) -> NetworkTables:
-    """``build_tables`` of ``job_topology`` (cached per graph and ``n_gpus``)."""
-    return build_tables(job_topology(cluster, n_gpus, topology), n_gpus, contention)
+    """``build_tables`` of ``job_topology`` (cached per graph, ``n_gpus`` and ``links``)."""
+    return build_tables(job_topology(cluster, n_gpus, topology), n_gpus, contention, links)

@@ -200,6 +200,16 @@ def traffic_row(items, g: Group, load, params: Params, temperature):
     Each collective's algorithms are weighted as its smooth minimum weighs them: the flow
     ``shared_delays_s`` shares.
     """
+    coef = slot_coefficients(items, g, params, temperature)
+    row = sum(coef[slot] * load[slot] for slot in sorted(coef))
+    return jnp.minimum(g.size - 1.0, 1.0) * row
+
+
+def slot_coefficients(items, g: Group, params: Params, temperature) -> dict:
+    """``{slot: buffer bytes}`` that collectives ``items`` (``traffic_row``'s) over group ``g``
+    run on each algorithm slot: calls times passes times ``msg_bytes + half_bw_bytes``, each
+    collective's algorithms weighted as its smooth minimum weighs them (a group of one rank
+    not excepted: ``traffic_row`` multiplies by ``min(size - 1, 1)``)."""
     coef: dict = {}
     for name, msg_bytes, count in items:
         b = msg_bytes + params.half_bw_bytes * _present(msg_bytes)
@@ -210,8 +220,7 @@ def traffic_row(items, g: Group, load, params: Params, temperature):
             weights = smooth.smooth_min_of(times, temperature=temperature)[1]
         for i, (slot, passes) in enumerate(choices):
             coef[slot] = coef.get(slot, 0.0) + count * passes * b * weights[i]
-    row = sum(coef[slot] * load[slot] for slot in sorted(coef))
-    return jnp.minimum(g.size - 1.0, 1.0) * row
+    return coef
 
 
 def shared_delays_s(rows, capacity, temperature=sharing.DEFAULT_TEMPERATURE):

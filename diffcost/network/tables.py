@@ -71,6 +71,14 @@ class NetworkTables:
         contention: whether concurrent collectives share links (``diffcost.network.model``;
             static). The static fields are few, so that a jitted prediction compiles once per
             table shape, whatever the topology.
+        link_load: ``[G * G, len(SLOTS), links]`` bytes on every loaded link per byte of
+            buffer (``build_tables(links=True)``; None: the concurrent collectives share the
+            tiers' busiest links). ``diffcost.network.link_sharing`` shares these rows.
+        link_stream: ``[G * G, len(SLOTS), 2]`` the sum and the sum of squares, over the
+            slot's streams (its flows merged per source and destination), of the bytes each
+            moves per byte of buffer.
+        link_tier: ``[links, len(tiers)]`` one-hot tier of each loaded link.
+        link_scale: ``[links]`` each loaded link's capacity over its tier's reference.
     """
 
     log_grid: jax.Array
@@ -78,6 +86,10 @@ class NetworkTables:
     latency_s: jax.Array
     tier_capacity_Bps: jax.Array
     tier_nvlink: jax.Array
+    link_load: jax.Array | None = None
+    link_stream: jax.Array | None = None
+    link_tier: jax.Array | None = None
+    link_scale: jax.Array | None = None
     contention: bool = struct.field(pytree_node=False, default=True)
     tiers: tuple = struct.field(pytree_node=False, default=TIERS)
 
@@ -196,12 +208,22 @@ def job_graph(topology: Topology, n_gpus: int) -> Topology:
     return without_transit(topology, topology.endpoints[n_gpus:])
 
 
+def _streams(topology, phases) -> np.ndarray:
+    """``[2]`` sum and sum of squares of the bytes per buffer byte of the phases' flows, merged
+    per (source, destination) (as ``reference_network`` merges them into one flow)."""
+    src, dst, weight = (np.concatenate(x) for x in zip(*[p[:3] for p in phases]))
+    _, pair = np.unique(src * topology.n_nodes + dst, return_inverse=True)
+    merged = np.bincount(pair.ravel(), weights=weight)
+    return np.array([merged.sum(), (merged**2).sum()])
+
+
 def _slot(topology, tiers, reference, nvlink, groups, name):
-    """``([tiers] load, [2] latency)`` of one slot over ``groups`` (None: cannot run)."""
+    """``([tiers] load, [2] latency, [links] load, [2] streams)`` of one slot over ``groups``
+    (``_streams``; zeros and ``INVALID_LATENCY_S`` where it cannot run)."""
     phases = _PHASES[name](topology, groups)
-    if phases is None:
-        return np.zeros(len(TIERS)), np.array([INVALID_LATENCY_S, 0.0])
     load = np.zeros(topology.n_links)
+    if phases is None:
+        return np.zeros(len(TIERS)), np.array([INVALID_LATENCY_S, 0.0]), load, np.zeros(2)
     latency = np.zeros(2)
     parts = np.stack([topology.latency_s * nvlink, topology.latency_s * (1.0 - nvlink)])
     for src, dst, weight, latency_steps in phases:
@@ -212,10 +234,10 @@ def _slot(topology, tiers, reference, nvlink, groups, name):
     scaled = load * reference[tiers] / topology.capacity_Bps
     per_tier = np.zeros(len(TIERS))
     np.maximum.at(per_tier, tiers, scaled)
-    return per_tier, latency
+    return per_tier, latency, load, _streams(topology, phases)
 
 
-def _build(topology: Topology, n_gpus: int) -> NetworkTables:
+def _build(topology: Topology, n_gpus: int, links: bool) -> NetworkTables:
     graph = job_graph(topology, n_gpus)
     tiers = link_tiers(graph)
     reference = np.ones(len(TIERS))
@@ -225,15 +247,20 @@ def _build(topology: Topology, n_gpus: int) -> NetworkTables:
     g = len(grid)
     load = np.zeros((g * g, len(SLOTS), len(TIERS)))
     latency = np.zeros((g * g, len(SLOTS), 2))
+    link_load = np.zeros((g * g, len(SLOTS), graph.n_links)) if links else None
+    stream = np.zeros((g * g, len(SLOTS), 2))
     for i, size in enumerate(grid):
         for j, stride in enumerate(grid):
             if size < 2 or n_gpus % (size * stride):
                 continue
             groups = groups_of(n_gpus, size, stride)
             for a, name in enumerate(SLOTS):
-                load[i * g + j, a], latency[i * g + j, a] = _slot(
+                k = i * g + j
+                load[k, a], latency[k, a], per_link, stream[k, a] = _slot(
                     graph, tiers, reference, nvlink, groups, name
                 )
+                if links:
+                    link_load[k, a] = per_link
     present = np.flatnonzero(np.bincount(tiers, minlength=len(TIERS)) > 0)  # tiers with links
     return NetworkTables(
         log_grid=jnp.asarray(np.log(np.asarray(grid, dtype=float))),
@@ -242,12 +269,29 @@ def _build(topology: Topology, n_gpus: int) -> NetworkTables:
         tier_capacity_Bps=jnp.asarray(reference[present]),
         tier_nvlink=jnp.asarray((present == TIERS.index("nvlink")).astype(float)),
         tiers=tuple(TIERS[i] for i in present),
+        **(_link_fields(graph, tiers, reference, present, link_load, stream) if links else {}),
     )
 
 
-def build_tables(topology: Topology, n_gpus: int, contention: bool = True) -> NetworkTables:
+def _link_fields(graph, tiers, reference, present, link_load, stream) -> dict:
+    """``NetworkTables``' per-link fields, on the links some slot loads."""
+    used = np.flatnonzero(link_load.max(axis=(0, 1)) > 0)
+    onehot = (tiers[used][:, None] == present[None, :]).astype(float)
+    return {
+        "link_load": jnp.asarray(link_load[:, :, used]),
+        "link_stream": jnp.asarray(stream),
+        "link_tier": jnp.asarray(onehot),
+        "link_scale": jnp.asarray(graph.capacity_Bps[used] / reference[tiers[used]]),
+    }
+
+
+def build_tables(
+    topology: Topology, n_gpus: int, contention: bool = True, links: bool = False
+) -> NetworkTables:
     """``NetworkTables`` of a job of ``n_gpus`` ranks on ``topology`` (rank ``r`` on endpoint
-    ``r``; endpoints beyond the job relay nothing), cached per (topology, ``n_gpus``).
+    ``r``; endpoints beyond the job relay nothing), cached per (topology, ``n_gpus``,
+    ``links``). ``links``: keep every link's loads, so that concurrent collectives share the
+    links they cross (``diffcost.network.link_sharing``), not each tier's busiest link.
 
     Raises:
         ValueError: the topology has fewer endpoints than ``n_gpus``.
@@ -257,6 +301,6 @@ def build_tables(topology: Topology, n_gpus: int, contention: bool = True) -> Ne
             f"topology {topology.name!r} has {len(topology.endpoints)} endpoints: too few for "
             f"{n_gpus} GPUs"
         )
-    key = (topology.fingerprint, int(n_gpus))
-    tables = _TABLES.get(key, lambda: _build(topology, int(n_gpus)))
+    key = (topology.fingerprint, int(n_gpus), bool(links))
+    tables = _TABLES.get(key, lambda: _build(topology, int(n_gpus), bool(links)))
     return tables.replace(contention=bool(contention))
