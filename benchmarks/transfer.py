@@ -13,7 +13,9 @@ usually from a cluster, a framework or a scale no measurement covers.
    row (``calibration.fit.fit``, the shipped profiles' settings), then predict the held-out
    group without refitting (``calibration.heldout.Predictor``). A held-out cluster that no
    training run names gets ``--unseen``: the mean constants of the clusters the fit has runs
-   of (``calibration.heldout.population_row``, the default) or the datasheet defaults. Per
+   of (``calibration.heldout.population_row``, the default) or the datasheet defaults; with
+   the default, a held-out cluster with collective rows only keeps the network its collectives
+   fit and takes the population for the rest (``heldout.fill_uninformed``). Per
    group: rows, MAPE, bias (mean signed error, %), mean log(pred / meas), worst row, Kendall
    tau; ``coverage_pct`` and ``median_width_pct`` of the 80% intervals (``add_intervals``). A
    group equal to another (the cluster of a one-cluster source) reuses that fit.
@@ -60,6 +62,7 @@ from calibration.fit_cache import FitCache  # noqa: E402
 from calibration.heldout import (  # noqa: E402
     Predictor,
     ape_pct,
+    fill_uninformed,
     fresh_compilation_cache,
     load_data,
     map_tables,
@@ -160,6 +163,15 @@ class Transfer:
             return None
         return population_row(self.P, tables, set(self.cluster[w["e2e"] > 0]))
 
+    def filled(self, fitted: tuple) -> tuple:
+        """A zero-shot fit whose clusters without training runs take the population's value
+        for every constant their collectives do not read (``fill_uninformed``; ``--unseen``)."""
+        steps, tables, w = fitted
+        unseen = self.unseen_row(tables, w)
+        if unseen is None:
+            return fitted
+        return steps, fill_uninformed(self.P, tables, w, unseen, self.cfg.temperature), w
+
     def predict(self, idx, tables, w) -> np.ndarray:
         fams, clus = trained_keys(self.P, w)
         rows = [self.e2e[i] for i in idx]
@@ -258,7 +270,7 @@ def zero_shot(t: Transfer, kind: str, name: str, held: np.ndarray) -> tuple[dict
             t.say(f"{kind} {name}: fit without {held.sum()} rows, {res.steps} steps, {wall:.0f} s")
         else:
             t.say(f"{kind} {name}: fit without {held.sum()} rows read from {t.cache.folder}")
-        t.zero_shot_fits[key] = fitted
+        t.zero_shot_fits[key] = t.filled(fitted)
     _, tables, w = t.zero_shot_fits[key]
     idx = np.flatnonzero(held)
     pred = t.predict(idx, tables, w)

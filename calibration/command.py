@@ -15,6 +15,7 @@ The shipped profiles under ``diffcost/configs/profiles/`` are rebuilt by
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from pathlib import Path
@@ -25,7 +26,7 @@ from rich.console import Console
 
 from calibration import fit as fit_mod
 from calibration import posterior, refit
-from calibration.heldout import population_row
+from calibration.heldout import fill_uninformed, population_row
 from calibration.readers import load
 from calibration.records import Measurements
 from diffcost import profiles as prof
@@ -93,6 +94,27 @@ def population_values(result: fit_mod.FitResult, problem: fit_mod.Problem, clust
     params = default_params().replace(**{k: v for k, v in row.items() if k not in grids})
     fields = [f for f in prof.CLUSTER_FIELDS if prof.FIELDS[f][0] not in grids]
     return prof.to_values(params, fields)
+
+
+def with_population(
+    result: fit_mod.FitResult, problem: fit_mod.Problem, clusters, temperature: float
+) -> fit_mod.FitResult:
+    """``result`` whose clusters without end-to-end runs take the population's value (over
+    ``clusters``, ``population_row``) for every constant their measurements do not read
+    (``heldout.fill_uninformed``): a cluster with collective tables only keeps the network
+    they fit and gets the host and overhead constants of the clusters with runs."""
+    weights = {lvl: np.ones(n) for lvl, n in problem.counts.items()}
+    population = population_row(problem, result.tables, clusters)
+    dev, clu = fill_uninformed(problem, result.tables, weights, population, temperature)
+    by_cluster, values = dict(result.params_by_cluster), dict(result.cluster_values)
+    for j, name in enumerate(problem.clusters):
+        fam = cluster_family(name)
+        i = problem.families.index(fam) if fam in problem.families else 0
+        by_cluster[name] = fit_mod.assemble(dev, clu, i, j)
+        values[name] = prof.to_values(by_cluster[name], prof.CLUSTER_FIELDS)
+    return dataclasses.replace(
+        result, tables=(dev, clu), params_by_cluster=by_cluster, cluster_values=values
+    )
 
 
 def fitted_values(result: fit_mod.FitResult, cluster: str) -> dict:

@@ -128,6 +128,39 @@ def population_row(problem: F.Problem, tables, clusters) -> dict:
     }
 
 
+def uninformed(problem: F.Problem, tables, weights: dict, temperature: float) -> dict:
+    """Per cluster leaf, ``[clusters]`` booleans: whether no weighted row of ``problem``'s
+    levels other than e2e reads the cluster's constant (the weighted sum of those rows' log
+    times has zero gradient there). Collectives read a cluster's network constants, never its
+    host dispatch, overlap or overheads."""
+    data = {lvl: d for lvl, d in weighted(problem, weights).data.items() if lvl != "e2e"}
+
+    def total(clu):
+        logs = F.predict_log(tables[0], clu, data, temperature)
+        return sum(jnp.sum(data[lvl]["weight"].astype(lp.dtype) * lp) for lvl, lp in logs.items())
+
+    grad = jax.jit(jax.grad(total))({k: jnp.asarray(v) for k, v in tables[1].items()})
+    return {
+        leaf: np.all(np.asarray(grad[leaf]).reshape(len(problem.clusters), -1) == 0, axis=1)
+        for leaf in F.CLUSTER_LEAVES
+    }
+
+
+def fill_uninformed(problem: F.Problem, tables, weights: dict, population: dict, temperature):
+    """``tables`` with ``population``'s value (``population_row``) in every constant of a
+    cluster without weighted e2e rows that no weighted row of the other levels reads
+    (``uninformed``): such a cluster (one with collective measurements only) takes its network
+    from its collectives and the rest from the clusters with runs, as a cluster without any
+    measurement does, not from the datasheet defaults."""
+    e2e_clusters = np.unique(np.asarray(problem.data["e2e"]["c"])[np.asarray(weights["e2e"]) > 0])
+    no_runs = ~np.isin(np.arange(len(problem.clusters)), e2e_clusters)
+    clu = dict(tables[1])
+    for leaf, free in uninformed(problem, tables, weights, temperature).items():
+        take = jnp.asarray(free & no_runs).reshape((-1,) + (1,) * (clu[leaf].ndim - 1))
+        clu[leaf] = jnp.where(take, jnp.asarray(population[leaf]), clu[leaf])
+    return tables[0], clu
+
+
 def map_tables(
     src: F.Problem,
     tables,

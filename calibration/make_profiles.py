@@ -5,7 +5,9 @@
 One joint fit over every end-to-end run, collective table, GEMM table and SimuMax node
 description (kernel table and collective fit, ``calibration.simumax``) that maps to a cluster
 preset: device constants per GPU family (shared by every cluster with that GPU), cluster
-constants per cluster. Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, each with
+constants per cluster (a cluster with collective tables but no end-to-end runs takes the
+population's value for the constants its tables do not read, ``command.with_population``).
+Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, each with
 its ``uncertainty`` block (``calibration.posterior.laplace``: the Laplace posterior of its scalar
 constants, the residual and stack spreads, the runs it was fitted on); ``population.yaml``, the
 cluster constants averaged over the clusters with end-to-end runs, which a cluster without a
@@ -77,11 +79,12 @@ def main(argv=None) -> int:
             f"  {source} on {cluster}: {rows} runs, mean log residual {fitted:+.4f}, "
             f"held out {held:+.4f}"
         )
+    with_runs = sorted({problem.clusters[int(c)] for c in problem.data["e2e"]["c"]})
+    result = command.with_population(result, problem, with_runs, cfg.temperature)
     paths = command.write_layers(result, problem.clusters, meta, blocks)
     for name, offsets in result.stack_values.items():
         meta_s = {"layer": "stack", "key": name, **meta}
         paths.append(command.write_stack(prof.stack_path(name), offsets, meta_s))
-    with_runs = sorted({problem.clusters[int(c)] for c in problem.data["e2e"]["c"]})
     paths.append(
         prof.write_profile(
             prof.population_path(),

@@ -1,14 +1,22 @@
 """A cluster without a profile of its own gets the population's cluster constants: the mean
 of the clusters the shipped fit has end-to-end runs of."""
 
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from calibration import command
 from calibration import fit as fit_mod
+from calibration.heldout import fill_uninformed, population_row
+from calibration.readers import load
 from diffcost import profiles as prof
 from diffcost.config import load_cluster
 from diffcost.params import default_params
+
+TEMPERATURE = fit_mod.FitConfig().temperature
 
 
 def test_a_cluster_without_profile_gets_the_population(tmp_path, monkeypatch):
@@ -43,3 +51,38 @@ def test_population_values_average_raw_constants_and_leave_grids_out():
     assert prof.CLUSTER_LAYER_FIELD not in values and prof.HEAD_FIELD not in values
     with pytest.raises(ValueError, match="at least one fitted cluster"):
         command.population_values(result, problem, [])
+
+
+def test_a_cluster_with_collectives_only_takes_the_population_for_what_they_do_not_read():
+    """A cluster with collective tables but no end-to-end runs keeps the network its tables
+    fit and takes the population's host and overhead constants, not the datasheet defaults
+    (``command.with_population``, as the shipped profiles are written); a cluster with runs
+    keeps its own. Held out of the end-to-end rows, vtrain-a100 is such a cluster
+    (``heldout.fill_uninformed``), and the population's slower host dispatch slows its runs."""
+    data = Path(__file__).parent / "data"
+    meas = load([data / "e2e_sample.csv", data / "readers_collectives.csv"])
+    problem = fit_mod.build_problem(meas)
+    clusters = np.asarray(problem.data["e2e"]["c"])
+    vtrain, a3 = (problem.clusters.index(c) for c in ("vtrain-a100", "gcp-a3-mega"))
+    dev, clu = fit_mod.initial_tables(problem)
+    clu["host_op_log_s"] = jnp.full_like(clu["host_op_log_s"], np.log(3e-5))
+    clu["host_op_log_s"] = clu["host_op_log_s"].at[np.array([vtrain, a3])].set(np.log(1e-5))
+    clu["nvlink_eff_logit"] = clu["nvlink_eff_logit"].at[a3].set(2.0)
+    with_runs = {problem.clusters[c] for c in clusters[clusters != vtrain]}
+    result = fit_mod.FitResult({}, {}, {}, [], 0, 0.0, True, {}, {}, tables=(dev, clu))
+    result = command.with_population(result, problem, with_runs, TEMPERATURE)
+    assert result.cluster_values["gcp-a3-mega"]["host_op_s"] == pytest.approx(3e-5)
+    assert float(result.tables[1]["nvlink_eff_logit"][a3]) == pytest.approx(2.0)
+    assert result.cluster_values["vtrain-a100"]["host_op_s"] == pytest.approx(1e-5)  # has runs
+
+    weights = {lvl: np.ones(n) for lvl, n in problem.counts.items()}
+    weights["e2e"] = (clusters != vtrain).astype(float)  # vtrain-a100 held out
+    population = population_row(problem, (dev, clu), with_runs)
+    _, filled = fill_uninformed(problem, (dev, clu), weights, population, TEMPERATURE)
+    assert float(filled["host_op_log_s"][vtrain]) == pytest.approx(np.log(3e-5))
+    assert float(filled["nvlink_eff_logit"][vtrain]) == float(clu["nvlink_eff_logit"][vtrain])
+    e2e = {"e2e": problem.data["e2e"]}
+    with jax.numpy_dtype_promotion("standard"):  # the e2e level's grid indices mix int widths
+        before = fit_mod.predict_log(dev, clu, e2e, TEMPERATURE)["e2e"][clusters == vtrain]
+        after = fit_mod.predict_log(dev, filled, e2e, TEMPERATURE)["e2e"][clusters == vtrain]
+    assert np.all(np.isfinite(np.asarray(after))) and np.all(np.asarray(after > before))
