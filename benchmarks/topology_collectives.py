@@ -1,6 +1,6 @@
 """Collectives priced on each cluster's graph against the measured tables.
 
-    python benchmarks/topology_collectives.py [--json] [--quick]
+    python benchmarks/topology_collectives.py [--json] [--quick] [--cases] [--clusters a,b]
 
 Every row of ``shared/data/collectives/collectives.csv`` with a message of at least 1 MiB and a
 collective the graph path prices (all-reduce, all-gather, reduce-scatter, all-to-all) is
@@ -9,14 +9,18 @@ on the cluster's graph (``diffcost.network.generators.from_cluster`` over the ro
 ``diffcost.network.cost``) and by the shipped model (``diffcost.comm``), placed as the
 calibration places it. The graph offers NVLink SHARP (``nvls``) on clusters whose switches
 reduce and prices the rows of XLA's table as XLA runs them (``cost.collective_pricing(...,
-xla=True)``). The graph path's own constants, which ``comm`` and so the shipped profiles do not
-have (``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
-cluster's ``nvlink_eff`` per cluster, by ``calibration.network_fit`` on these same tables (all
-other constants stay at the profiles). Prints the MAPE per cluster: the graph with those
-fitted constants (in sample), with the graph constants at their datasheet defaults and
+xla=True)``), with NCCL's LL128 protocol beside Simple (``protocols=True``). The graph path's
+own constants, which ``comm`` and so the shipped profiles do not have
+(``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
+cluster's ``nvlink_eff`` per cluster (and, where its tables are XLA's, its Simple curve's
+``half_bw_bytes``: ``PROTOCOL_CLUSTER_CONSTANTS``), by ``calibration.network_fit`` on these
+same tables (all other constants stay at the profiles). Prints the MAPE per cluster: the graph
+with those fitted constants (in sample), with the graph constants at their datasheet defaults and
 ``nvlink_eff`` at the profile ("prior"), with all of them fitted on the other half
 of the sizes ("held-out": two folds by the parity of ``floor(log2(size))``), and ``comm``.
 ``--quick`` keeps every 16th size of the vTrain tables (1,024 sizes per group size);
+``--clusters a,b`` prices only those clusters' tables (the fit is per GPU family, so a
+cluster's figures equal the full run's only where its family's other clusters are named too);
 ``--cases`` also prints the held-out MAPE and mean signed error of every table (cluster,
 collective, group size, concurrent groups), which the JSON always carries under ``"cases"``.
 Send/recv rows (4) and XLA permutes are not priced.
@@ -39,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from calibration.network_fit import (  # noqa: E402
     GRAPH_CLUSTER_CONSTANTS,
     GRAPH_CONSTANTS,
+    PROTOCOL_CLUSTER_CONSTANTS,
     TRANSPORT_CONSTANTS,
     PricedTable,
     SwitchFit,
@@ -78,33 +83,44 @@ def _graph_price(op, rec, cluster):
         rec.n_groups,
         xla=rec.source_name == XLA_SOURCE,
         transport=cluster.transport,
+        protocols=rec.source_name == XLA_SOURCE,
     )
     capacity = jnp.asarray(topology.capacity_Bps)
     one = lambda p, m: cost.collective_time_s(pricing, m, capacity, p, TEMPERATURE)  # noqa: E731
     return jax.jit(jax.vmap(one, in_axes=(None, 0))), "nvls" in pricing.names
 
 
-def _cases(quick: bool) -> dict:
+def _cases(quick: bool, clusters=None) -> dict:
     """``{(cluster, op, group_size, n_groups, per_node, source): [records]}`` of the rows
-    priced."""
+    priced (of ``clusters`` only, when given).
+
+    Raises:
+        ValueError: a name in ``clusters`` that has no priced row.
+    """
     rows = read_collectives_csv(DATA).collectives
     cases = collections.defaultdict(list)
     for r in rows:
         if r.size_bytes < MIN_BYTES or r.collective not in PRICED or r.group_size < 2:
             continue
+        if clusters and r.cluster not in clusters:
+            continue
         cases[
             (r.cluster, r.collective, r.group_size, r.n_groups, r.per_node, r.source_name)
         ].append(r)
+    missing = sorted(set(clusters or ()) - {k[0] for k in cases})
+    if missing:
+        known = sorted({r.cluster for r in rows if r.size_bytes >= MIN_BYTES})
+        raise ValueError(f"--clusters {','.join(missing)}: no priced rows; expected of {known}")
     if quick:
         cases = {k: v if len(v) < 100 else v[::16] for k, v in cases.items()}
     return cases
 
 
-def _tables(quick: bool) -> list[dict]:
+def _tables(quick: bool, clusters=None) -> list[dict]:
     """Every case priced: its ``PricedTable``, whether NVLS is offered, ``comm``'s times, and
     the case's key ``(cluster, collective, group_size, n_groups, per_node, source)``."""
     out, params_of = [], {}
-    for key, recs in sorted(_cases(quick).items()):
+    for key, recs in sorted(_cases(quick, clusters).items()):
         name, op = key[:2]
         cluster = load_cluster(name)
         if name not in params_of:
@@ -162,19 +178,31 @@ def _case(e: dict, held: np.ndarray) -> dict:
     }
 
 
-def measure(quick: bool = False) -> dict:
+def _cluster_extra(entries: list[dict]) -> dict[str, tuple[str, ...]]:
+    """Each cluster's own constants beyond ``GRAPH_CLUSTER_CONSTANTS``: its transport's, and
+    ``PROTOCOL_CLUSTER_CONSTANTS`` where its tables are priced with ``protocols`` (XLA's)."""
+    out = {}
+    for e in entries:
+        name = e["table"].cluster
+        own = TRANSPORT_CONSTANTS[load_cluster(name).transport]
+        if e["key"][-1] == XLA_SOURCE:
+            own += tuple(n for n in PROTOCOL_CLUSTER_CONSTANTS if n not in own)
+        out[name] = tuple(dict.fromkeys(out.get(name, ()) + own))
+    return out
+
+
+def measure(quick: bool = False, clusters=None) -> dict:
     """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_prior", "mape_pct_heldout",
     "mape_pct_comm"}}, "graph_constants": {cluster: {name: value}}, "cases": [...]}``: the
     graph path with its constants fitted on all rows (``mape_pct``), at their defaults and the
     profiles (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
-    ``cases`` the held-out error of each table (``_case``)."""
-    entries = _tables(quick)
-    transports = {e["table"].cluster: load_cluster(e["table"].cluster).transport for e in entries}
+    ``cases`` the held-out error of each table (``_case``). ``clusters``: price only these."""
+    entries = _tables(quick, clusters)
     fit = SwitchFit(
         [e["table"] for e in entries],
         GRAPH_CONSTANTS,
         cluster_names=GRAPH_CLUSTER_CONSTANTS,
-        cluster_extra={c: TRANSPORT_CONSTANTS[t] for c, t in transports.items()},
+        cluster_extra=_cluster_extra(entries),
     )
     fitted = fit.fit()
     heldout = _heldout_s(entries, fit)
@@ -204,8 +232,9 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument("--quick", action="store_true", help="every 16th vTrain size")
     parser.add_argument("--cases", action="store_true", help="print the error of every table")
+    parser.add_argument("--clusters", default="", help="comma-separated cluster names only")
     args = parser.parse_args(argv)
-    result = measure(args.quick)
+    result = measure(args.quick, [c for c in args.clusters.split(",") if c] or None)
     if args.json:
         print(json.dumps(result))
         return

@@ -26,15 +26,22 @@ from calibration.fit import FitConfig, robust_penalty
 from diffcost.params import CONSTANT, Params, raw_default
 
 SWITCH_CONSTANTS = ("nvls_ratio", "nvls_latency_s")
+# NCCL's LL128 protocol beside Simple (``diffcost.network.cost``'s ``protocols``).
+PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes")
+# With LL128 beside it, the Simple protocol's small-message curve is its own: ``comm``'s fit set
+# ``half_bw_bytes`` for one curve serving every size, so a cluster priced with ``protocols``
+# refits it.
+PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes",)
 # What ``benchmarks/topology_collectives.py`` fits: per GPU family the switch constants and
-# the XLA tables' chunk pass and send/recv curve; per cluster its NVLink efficiency (the
-# profiles' value was fitted by ``diffcost.comm``, whose one ring bandwidth per cluster absorbs
-# the chunk pass).
+# the XLA tables' chunk pass, send/recv curve and LL128 protocol; per cluster its NVLink
+# efficiency (the profiles' value was fitted by ``diffcost.comm``, whose one ring bandwidth per
+# cluster absorbs the chunk pass).
 GRAPH_CONSTANTS = (
     *SWITCH_CONSTANTS,
     "chunk_pass_Bps",
     "chunk_reduce_Bps",
     "sendrecv_half_bw_bytes",
+    *PROTOCOL_CONSTANTS,
 )
 GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)
 # What a cluster's network transport (``ClusterSpec.transport``) adds to its own constants: over

@@ -131,6 +131,14 @@ class Constant:
 # ring's bandwidth up to tens of MiB where all-gather over the same GPUs does not:
 # ``sendrecv_half_bw_bytes`` is how much later its small-message curve reaches half the
 # bandwidth, defaulting to the collectives' own ``half_bw_bytes`` (1 MiB), 1.5 e-folds wide.
+# NCCL runs each algorithm under one of its protocols, the fastest by its own tuning model
+# (src/graph/tuning.cc: a latency plus the bytes over the protocol's share of the bus bandwidth).
+# ``diffcost.network.cost``'s ``protocols`` adds LL128 beside Simple: ``ll128_bw_share`` is its
+# bandwidth as a share of Simple's, defaulting to NCCL's 0.92 within a node (LL128 carries 120
+# data bytes of every 128-byte line; the model caps it further per channel), and
+# ``ll128_half_bw_bytes`` its small-message curve, which NCCL's model does not have (LL128 needs
+# no large chunks in flight): a small round default, 128 KiB, two e-folds wide. Device
+# constants; only the graph path reads them, for a pricing built with ``protocols``.
 # A network transport over TCP (``ClusterSpec.transport: tcp``, Google's GPUDirect-TCPX/TCPXO)
 # runs NCCL in two regimes by message size (``diffcost.network.cost``, ``tcp``): a ring on
 # ``tcp_ring_share`` of the NICs' bandwidth with no fixed cost beyond its steps, and the
@@ -242,6 +250,10 @@ CONSTANTS = (
     _C("sendrecv_half_bw_bytes", "sendrecv_half_bw_log_bytes", "log", 1.0 * 2**20, 1.5,
        "device", "grouped send/recv half-bandwidth message, beyond the collectives' (XLA)",
        "MiB", 2.0**-20),
+    _C("ll128_bw_share", "ll128_bw_share_logit", "logit", 0.92, 0.7, "device",
+       "LL128 protocol's share of the links' bandwidth", "%", 100.0),
+    _C("ll128_half_bw_bytes", "ll128_half_bw_log_bytes", "log", 2.0**17, 2.0, "device",
+       "LL128 protocol's half-bandwidth message", "MiB", 2.0**-20),
     _C("tcp_ring_share", "tcp_ring_share_logit", "logit", 0.25, 1.5, "cluster",
        "ring's share of the NIC bandwidth over a TCP transport", "%", 100.0),
     _C("tcp_fill_s", "tcp_fill_log_s", "log", 500e-6, 1.5, "cluster",

@@ -28,7 +28,12 @@ the link capacities and the calibrated ``Params``) prices them:
   instead of ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call;
 * a pricing built with ``tcp`` (a cluster whose ``transport`` is ``tcp``: GPUDirect-TCPX/TCPXO)
   runs the ring on ``tcp_ring_share`` of its network links' capacity and adds ``tcp_fill_s`` per
-  call to every other algorithm that crosses the network (``TCP_RING_ALGORITHMS``).
+  call to every other algorithm that crosses the network (``TCP_RING_ALGORITHMS``);
+* a pricing built with ``protocols`` prices NCCL's choice of protocol by size: each algorithm
+  that runs on the GPUs (``LL128_ALGORITHMS``) is the smooth minimum of its Simple-protocol
+  curve above and an LL128 curve, on ``ll128_bw_share`` of the links' capacity, with the
+  small-message curve ``ll128_half_bw_bytes`` in place of ``half_bw_bytes`` and NCCL's LL128
+  per-step latency (``LL128_STEP_LATENCY_RATIO`` of Simple's).
 
 Rings run as NCCL's channels do (``ring_channels``): behind a switch or on a full mesh the
 ``n - 1`` rotations (every pair once), on direct GPU links of one bandwidth a packing of
@@ -76,6 +81,11 @@ SENDRECV_ALGORITHMS = ("pairwise",)  # XLA runs all-to-all as grouped sends and 
 # Over a TCP transport these run on a share of the NICs' bandwidth without a fixed cost; the
 # other algorithms that cross the network use every NIC after ``tcp_fill_s``.
 TCP_RING_ALGORITHMS = ("ring",)
+# NCCL prices each algorithm under each protocol and runs the fastest (src/graph/tuning.cc).
+# LL128 runs ring and tree (and the rings and trees these compose), not NVLS nor send/recv;
+# its per-step NVLink latency in that model is 1.9 us against Simple's 3.4 us (ring).
+LL128_ALGORITHMS = ("ring", "tree", "hierarchical", "torus")
+LL128_STEP_LATENCY_RATIO = 1.9 / 3.4
 MAX_CYCLE_SEARCH = 8  # groups up to this size search Hamiltonian cycle packings
 _ZERO_BYTES = 1.0
 
@@ -126,6 +136,8 @@ class CollectivePricing:
             (``TCP_RING_ALGORITHMS``) runs its network links at ``tcp_ring_share`` of their
             capacity, and every other algorithm whose flows cross the network pays
             ``tcp_fill_s`` per call; else 0.0.
+        protocols: static; True: every algorithm in ``LL128_ALGORITHMS`` is the smooth
+            minimum of its Simple and LL128 curves (NCCL's protocol choice by size).
         names, collective: static.
     """
 
@@ -136,6 +148,7 @@ class CollectivePricing:
     algorithms: tuple
     xla: float = 0.0
     tcp: float = 0.0
+    protocols: bool = struct.field(pytree_node=False, default=False)
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -303,6 +316,7 @@ def collective_pricing(
     algorithms=None,
     xla: bool = False,
     transport: str = "rdma",
+    protocols: bool = False,
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
     consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
@@ -317,6 +331,7 @@ def collective_pricing(
         xla: price the collective as XLA's table times it (``CollectivePricing.xla``).
         transport: the cluster's network transport, a name in ``specs.TRANSPORTS``
             (``CollectivePricing.tcp``).
+        protocols: offer NCCL's LL128 protocol besides Simple (``CollectivePricing.protocols``).
 
     Raises:
         ValueError: an unknown collective, algorithm or transport, too few endpoints, or a
@@ -346,7 +361,7 @@ def collective_pricing(
             if algorithms is not None:
                 raise
     pricing = _stack(full, link_ids, phases, group_size, collective)
-    return pricing.replace(xla=float(xla), tcp=float(transport == "tcp"))
+    return pricing.replace(xla=float(xla), tcp=float(transport == "tcp"), protocols=protocols)
 
 
 def _phases(topology, groups, collective, name) -> list[Phase]:
@@ -538,9 +553,10 @@ def collective_time_s(
     for name, alg in zip(pricing.names, pricing.algorithms):
         capacity, latency = _effective_links(pricing, capacity_Bps, params, name, alg)
         late = pricing.xla * params.sendrecv_half_bw_bytes if name in SENDRECV_ALGORITHMS else 0.0
-        t = _algorithm_s(
-            alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined, late
-        )
+        args = (alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
+        t = _algorithm_s(*args, late)
+        if pricing.protocols and name in LL128_ALGORITHMS:
+            t = smooth.smin2(t, _ll128_s(*args), temperature)
         # an in-switch reduction skips the GPU's passes and pays the switch's setup per call
         switch_s = params.nvls_latency_s * _present(msg_bytes)
         t = t + (1.0 - alg.in_switch) * gpu_s + alg.in_switch * switch_s
@@ -551,6 +567,16 @@ def collective_time_s(
     if len(times) > 1:
         best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)
     return best + params.collective_overhead_s * _present(msg_bytes)
+
+
+def _ll128_s(alg, msg_bytes, capacity, latency, params, temperature, fn, pipelined):
+    """An algorithm's time under NCCL's LL128 protocol (``_algorithm_s``'s arguments): the
+    links at ``ll128_bw_share`` of their capacity, its own small-message curve and per-step
+    latency."""
+    capacity = capacity * params.ll128_bw_share
+    latency = latency * LL128_STEP_LATENCY_RATIO
+    late = params.ll128_half_bw_bytes - params.half_bw_bytes
+    return _algorithm_s(alg, msg_bytes, capacity, latency, params, temperature, fn, pipelined, late)
 
 
 def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0):
