@@ -10,11 +10,9 @@ whose prior is the starting fit:
               + sum_j (theta_j - theta0_j)^2 / sd_j^2
 
 ``theta``: the raw scalar constants (``calibration.posterior``'s flat layout: device constants
-of the runs' GPU families, cluster constants of their clusters) and the software stack offsets
-of the stacks the runs name (``diffcost.stacks``: what a stack decides, the part of the error a
-new stack's runs share); shape grids stay where they are. ``theta0`` is the starting fit;
-``sd_j`` the prior widths (``Constant.prior_sd``, ``StackEffect.prior_sd``); ``alpha`` the ratio
-of the runs' noise variance to the prior's scale.
+of the runs' GPU families, cluster constants of their clusters; shape grids and stack offsets
+stay where they are); ``theta0`` the starting fit; ``sd_j`` the constants' prior widths
+(``Constant.prior_sd``); ``alpha`` the ratio of the runs' noise variance to the prior's scale.
 Linearised at the start (``J = d log pred / d theta``, ``r = log meas - log pred``) this is a
 kernel ridge regression, ``theta - theta0 = D J^T (J D J^T + alpha I)^-1 r`` with ``D =
 diag(sd^2)``: only combinations of constants the runs tell apart move, each as far as its width
@@ -97,47 +95,11 @@ def add_flat(tables, delta: np.ndarray):
     return out[0], out[1]
 
 
-def stack_entries(runs: F.Problem, tables) -> list[tuple[str, int]]:
-    """(cluster-table key, stack index) of every stack offset the runs read: each effect of
-    each stack some run names (a run of an unknown stack reads none)."""
-    stacks = sorted({int(s) for s in np.asarray(runs.data["e2e"]["s"]) if s >= 0})
-    return [(key, s) for s in stacks for key in F.STACK_KEYS if key in tables[1]]
-
-
-def add_all(tables, delta: np.ndarray, entries):
-    """``tables`` with ``delta`` added: the flat raw scalar constants first (``add_flat``),
-    then one offset per ``entries`` item."""
-    n = len(delta) - len(entries)
-    dev, clu = add_flat(tables, delta[:n])
-    clu = dict(clu)
-    for (key, s), step in zip(entries, delta[n:]):
-        clu[key] = clu[key].at[s].add(jnp.asarray(step, clu[key].dtype))
-    return dev, clu
-
-
-def _stack_design(runs: F.Problem, tables, entries, temperature: float) -> np.ndarray:
-    """``d log pred / d offset`` ``[runs, entries]``, central differences in float64."""
-    cols = []
-    with jax.enable_x64(True):
-        data = jax.tree_util.tree_map(posterior._float64, runs.data)
-        dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
-        for key, s in entries:
-            logs = [
-                posterior.predict_log(dev, {**clu, key: clu[key].at[s].add(h)}, data, temperature)
-                for h in (posterior.FD_STEP, -posterior.FD_STEP)
-            ]
-            diff = np.asarray(logs[0]["e2e"] - logs[1]["e2e"], dtype=float)
-            cols.append(diff / (2 * posterior.FD_STEP))
-    return np.stack(cols, axis=1) if cols else np.zeros((runs.counts["e2e"], 0))
-
-
-def _linearise(runs: F.Problem, tables, temperature: float, entries=()):
-    """(log residuals measured - predicted ``[runs]``, design ``[runs, flat constants and
-    stack offsets]``)."""
+def _linearise(runs: F.Problem, tables, temperature: float):
+    """(log residuals measured - predicted ``[runs]``, design ``[runs, flat constants]``)."""
     jd, jc = posterior.row_jacobians(runs, tables, temperature)["e2e"]
     d = runs.data["e2e"]
     design = posterior.flat_design(runs, d["d"], d["c"], jd, jc)
-    design = np.hstack([design, _stack_design(runs, tables, entries, temperature)])
     return -_residuals(runs, tables, temperature), design
 
 
@@ -213,23 +175,21 @@ def _refit(problem, tables, rows, temperature, strengths, steps) -> Refit:
     runs = runs_problem(problem, rows)
     if runs.counts["e2e"] == 0:
         raise ValueError("a few-shot refit needs at least one end-to-end run")
-    entries = stack_entries(runs, tables)
-    widths = [F.STACK_KEYS[key].prior_sd for key, _ in entries]
-    var = np.square(np.concatenate([posterior.prior_widths(problem), widths]))
-    resid0, design = _linearise(runs, tables, temperature, entries)
+    var = np.square(posterior.prior_widths(problem))
+    resid0, design = _linearise(runs, tables, temperature)
     alpha, scores = choose_strength(design, var, resid0, strengths)
     if alpha is None:
         return Refit(tables, None, scores, -resid0, -resid0)
     delta, resid, current = np.zeros_like(var), resid0, tables
     for i in range(steps):
         if i:
-            resid, design = _linearise(runs, current, temperature, entries)
+            resid, design = _linearise(runs, current, temperature)
         target = resid + design @ delta
         K = (design * var) @ design.T + alpha * np.eye(len(target))
         proposal = var * (design.T @ np.linalg.solve(K, target))
         before = _objective(resid, delta, var, alpha)
         for _ in range(HALVINGS):
-            trial = add_all(tables, proposal, entries)
+            trial = add_flat(tables, proposal)
             trial_resid = -_residuals(runs, trial, temperature)
             if _objective(trial_resid, proposal, var, alpha) <= before:
                 break
