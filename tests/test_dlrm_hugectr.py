@@ -96,3 +96,10 @@ def test_splitting_the_hot_table_shortens_the_slowest_ranks_lookups():
     assert len(split.tables) > 2
     assert float(planned.lookup_fwd_s) < 0.5 * float(one_rank.lookup_fwd_s)
     assert np.isfinite(float(planned.iteration_s))
+
+
+def test_the_command_reports_tables_the_planner_cannot_hold():
+    from diffcost.cli.dlrm import hugectr_dict
+
+    out = hugectr_dict(MLPERF, H100, 2, default_params())  # 209 GB of tables on 2 x 60 GB
+    assert "do not fit" in out["error"]

@@ -60,8 +60,12 @@ def plan_dict(spec: DlrmSpec, problem, found: Scored) -> dict:
 
 def hugectr_dict(spec: DlrmSpec, cluster, n_gpus: int, params) -> dict:
     """HugeCTR's planner's plan (``auto`` on one node, ``hier_auto`` on several, NVIDIA's
-    defaults): its time, memory and the tables it cuts into shards."""
-    split, choices = hugectr_plan(spec, cluster, n_gpus)
+    defaults): its time, memory and the tables it cuts into shards; ``{"error"}`` when the
+    tables exceed the planner's memory cap even split over every GPU or node."""
+    try:
+        split, choices = hugectr_plan(spec, cluster, n_gpus)
+    except ValueError as e:  # its tables do not fit the planner's memory cap
+        return {"error": str(e)}
     problem = make_problem(split, cluster, n_gpus, params)
     out = dlrm_cost(problem, one_hot_plan(choices, problem.layout), 0.0)
     shards: dict[str, int] = {}
@@ -126,11 +130,14 @@ def _print(out: dict) -> None:
         + ("" if best["fits"] else " (does NOT fit)")
     )
     hug = out["hugectr"]
-    cut = ", ".join(f"{name} in {k}" for name, k in hug["shards"].items()) or "none"
-    print(
-        f"HugeCTR's planner: {1e3 * hug['iteration_s']:.3f} ms (tables cut into row shards: "
-        f"{cut})" + ("" if hug["fits"] else " (does NOT fit)")
-    )
+    if "error" in hug:
+        print(f"HugeCTR's planner: no plan ({hug['error']})")
+    else:
+        cut = ", ".join(f"{name} in {k}" for name, k in hug["shards"].items()) or "none"
+        print(
+            f"HugeCTR's planner: {1e3 * hug['iteration_s']:.3f} ms (tables cut into row shards: "
+            f"{cut})" + ("" if hug["fits"] else " (does NOT fit)")
+        )
     print(
         f"{out['evaluated']} plans evaluated in {out['search_seconds']:.1f} s (best polished from "
         f"the {out['started_from']} start); {out['profile']}"
