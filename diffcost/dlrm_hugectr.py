@@ -79,12 +79,16 @@ def _bucket_costs(state: _State, hotness, shard_cost):
     return out
 
 
+def _hottest_first(state: _State, hotness) -> list:
+    """The sharded tables, hottest shard first (ties by table id)."""
+    return sorted(np.flatnonzero(state.splits), key=lambda t: (-hotness[t] / state.splits[t], t))
+
+
 def _place(state: _State, hotness, table_gib, shard_cost, cap):
     """Place every shard, hottest first, into the cheapest bucket with room and without a
     shard of its table. Returns the table whose shard fits nowhere, or None."""
     state.buckets = [[] for _ in state.buckets]
-    tables = sorted(np.flatnonzero(state.splits), key=lambda t: (-hotness[t] / state.splits[t], t))
-    shards = [t for t in tables for _ in range(int(state.splits[t]))]
+    shards = [t for t in _hottest_first(state, hotness) for _ in range(int(state.splits[t]))]
     costs = np.zeros(len(state.buckets))
     memory = np.zeros(len(state.buckets))
     for t in shards:
@@ -110,8 +114,7 @@ def _split(state: _State, t: int, n_buckets: int) -> bool:
 
 def _split_hottest(state: _State, hotness, n_buckets: int) -> None:
     """Double the shards of the table with the hottest shard that can still be split."""
-    order = sorted(np.flatnonzero(state.splits), key=lambda t: (-hotness[t] / state.splits[t], t))
-    for t in order:
+    for t in _hottest_first(state, hotness):
         if _split(state, t, n_buckets):
             return
 
