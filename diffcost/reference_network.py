@@ -229,10 +229,9 @@ def _smooth_rows(tables, params, traffic, dims, temperature):
     groups = {d: netmodel.group(tables, prices, *dims[d]) for d in dims}
     if tables.link_load is not None:
         flows = link_sharing.shared_flows(traffic, dims, tables, groups, params, temperature)
-        delay, alone = link_sharing.bucket_delay_s(
-            traffic, dims, tables, groups, params, temperature
-        )
-        return alone, alone + delay, *flows[:1], flows[3], flows[1], flows[2]
+        delay, alone = link_sharing.flows_delay_s(flows)
+        incidence, sizes, mine, capacity = flows
+        return alone, alone + delay, incidence, capacity, sizes, mine
 
     def row(parts):
         out = 0.0

@@ -52,9 +52,7 @@ def group_links(tables: NetworkTables, size, stride):
     def at(table):
         corner = [table.at[(i + a) * g + j + b].get(mode="promise_in_bounds")
                   for a in (0, 1) for b in (0, 1)]  # fmt: skip
-        low = (1.0 - wj) * corner[0] + wj * corner[1]
-        high = (1.0 - wj) * corner[2] + wj * corner[3]
-        return (1.0 - wi) * low + wi * high
+        return netmodel.bilinear(corner, wi, wj)
 
     return at(tables.link_load), at(tables.link_stream)
 
@@ -103,9 +101,12 @@ def bucket_delay_s(traffic: dict, dims: dict, tables: NetworkTables, groups: dic
     Returns:
         ``(delay, alone)``: the bucket's completion together minus alone, and alone.
     """
-    incidence, size, mine, capacity = shared_flows(
-        traffic, dims, tables, groups, params, temperature
-    )
+    return flows_delay_s(shared_flows(traffic, dims, tables, groups, params, temperature))
+
+
+def flows_delay_s(flows):
+    """``(delay, alone)`` of the bucket among ``shared_flows``' flows (``bucket_delay_s``)."""
+    incidence, size, mine, capacity = flows
     zeros = jnp.zeros_like(capacity)
     together = sharing.completion_times_s(incidence, capacity, zeros, size)
     alone = sharing.completion_times_s(incidence, capacity, zeros, size * mine)

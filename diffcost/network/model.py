@@ -77,13 +77,15 @@ def _lookup(corners, log_grid, size, stride, columns):
     i, wi = _hat(log_grid, jnp.log(size))
     j, wj = _hat(log_grid, jnp.log(stride))
     cell = i * (g - 1) + j
-    out = []
-    for c in columns:
-        v = corners[c].at[cell].get(mode="promise_in_bounds")
-        low = (1.0 - wj) * v[0] + wj * v[1]
-        high = (1.0 - wj) * v[2] + wj * v[3]
-        out.append((1.0 - wi) * low + wi * high)
-    return out
+    return [bilinear(corners[c].at[cell].get(mode="promise_in_bounds"), wi, wj) for c in columns]
+
+
+def bilinear(v, wi, wj):
+    """The blend of a cell's corners ``v = [(i, j), (i, j + 1), (i + 1, j), (i + 1, j + 1)]``
+    at weights ``wi`` (along ``i``) and ``wj`` (along ``j``)."""
+    low = (1.0 - wj) * v[0] + wj * v[1]
+    high = (1.0 - wj) * v[2] + wj * v[3]
+    return (1.0 - wi) * low + wi * high
 
 
 def tier_capacity_Bps(tables: NetworkTables, params: Params):
