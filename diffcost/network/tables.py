@@ -217,9 +217,10 @@ def _streams(topology, phases) -> np.ndarray:
     return np.array([merged.sum(), (merged**2).sum()])
 
 
-def _slot(topology, tiers, reference, nvlink, groups, name):
+def _slot(topology, tiers, reference, nvlink, groups, name, links):
     """``([tiers] load, [2] latency, [links] load, [2] streams)`` of one slot over ``groups``
-    (``_streams``; zeros and ``INVALID_LATENCY_S`` where it cannot run)."""
+    (``_streams``, only for per-link tables, ``links``; zeros and ``INVALID_LATENCY_S`` where
+    it cannot run)."""
     phases = _PHASES[name](topology, groups)
     load = np.zeros(topology.n_links)
     if phases is None:
@@ -234,7 +235,7 @@ def _slot(topology, tiers, reference, nvlink, groups, name):
     scaled = load * reference[tiers] / topology.capacity_Bps
     per_tier = np.zeros(len(TIERS))
     np.maximum.at(per_tier, tiers, scaled)
-    return per_tier, latency, load, _streams(topology, phases)
+    return per_tier, latency, load, _streams(topology, phases) if links else np.zeros(2)
 
 
 def _build(topology: Topology, n_gpus: int, links: bool) -> NetworkTables:
@@ -257,7 +258,7 @@ def _build(topology: Topology, n_gpus: int, links: bool) -> NetworkTables:
             for a, name in enumerate(SLOTS):
                 k = i * g + j
                 load[k, a], latency[k, a], per_link, stream[k, a] = _slot(
-                    graph, tiers, reference, nvlink, groups, name
+                    graph, tiers, reference, nvlink, groups, name, links
                 )
                 if links:
                     link_load[k, a] = per_link
