@@ -8,7 +8,9 @@ cluster's NVLink nodes on a two-tier fat-tree of 48-port switches tapered 2:1 (1
 
 * ``tables_build_s``: routing every group layout into ``NetworkTables`` (numpy, once);
 * ``sweep_configs_per_s``: ``jit(vmap(simulate))`` over every plan of the space, as
-  ``speed.py`` enumerates it, with contention (median of 5 warm runs);
+  ``speed.py`` enumerates it, with contention (median of 5 warm runs), the plan leaves that
+  do not vary passed unbatched as ``diffcost sweep`` does (``sweep.batch_axes``);
+* ``sweep_configs_per_s_all_batched``: the same with every plan leaf batched;
 * ``sweep_configs_per_s_without_contention``: the same, ``contention=False``;
 * ``sweep_configs_per_s_comm_path``: the same sweep on the existing path, in the same run
   (the machine is shared: only figures of one run compare);
@@ -29,11 +31,12 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffcost import api, space  # noqa: E402
+from diffcost import api, space, sweep  # noqa: E402
 from diffcost.network import generators as gen  # noqa: E402
 from diffcost.network.graph import LinkSpec  # noqa: E402
 from diffcost.network.tables import build_tables  # noqa: E402
@@ -75,19 +78,26 @@ def measure(quick: bool = False) -> dict:
         space.make_space(exp.model, exp.cluster, exp.plan.n_gpus, exp.plan.global_batch)
     )
     n = int(plans.tp.shape[0])
-    plans = jax.tree_util.tree_map(lambda x: jax.numpy.asarray(x, dtype=plan.tp.dtype), plans)
+    plans = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=plan.tp.dtype), plans)
+    axes, split = sweep.batch_axes(plans)  # as ``diffcost sweep`` batches them
+    split = jax.device_put(split)
+    with_contention = cluster.replace(network=tables)
     variants = {
-        "sweep_configs_per_s": cluster.replace(network=tables),
-        "sweep_configs_per_s_without_contention": cluster.replace(
-            network=tables.replace(contention=False)
+        "sweep_configs_per_s": (with_contention, axes, split),
+        "sweep_configs_per_s_without_contention": (
+            cluster.replace(network=tables.replace(contention=False)),
+            axes,
+            split,
         ),
-        "sweep_configs_per_s_comm_path": cluster,
+        "sweep_configs_per_s_comm_path": (cluster, axes, split),
+        "sweep_configs_per_s_all_batched": (with_contention, 0, jax.device_put(plans)),
     }
     out = {}
-    for key, c in variants.items():
-        sweep = jax.jit(jax.vmap(lambda p, c=c: simulate(model, p, c, params).iteration_s))
-        jax.block_until_ready(sweep(plans))
-        out[key] = n / _median_s(lambda: sweep(plans), 3 if quick else 5)
+    for key, (c, a, p) in variants.items():
+        one = lambda p, c=c: simulate(model, p, c, params).iteration_s  # noqa: E731
+        fn = jax.jit(jax.vmap(one, in_axes=(a,)))
+        jax.block_until_ready(fn(p))
+        out[key] = n / _median_s(lambda fn=fn, p=p: fn(p), 3 if quick else 5)
     one = cluster.replace(network=tables)
     jax.block_until_ready(api.simulate_jit(model, plan, one, params))
     single_s = _median_s(
@@ -123,6 +133,8 @@ def print_speed(s: dict) -> None:
     alone = s["sweep_configs_per_s_without_contention"]
     print(f"  without contention    {alone:>10,.0f} configs/s (ratio {s['contention_ratio']:.2f})")
     print(f"  existing path         {s['sweep_configs_per_s_comm_path']:>10,.0f} configs/s")
+    every = s["sweep_configs_per_s_all_batched"]
+    print(f"  every leaf batched    {every:>10,.0f} configs/s (with contention)")
     print(f"  one prediction        {s['single_prediction_us']:>10.0f} us (target 1,000)")
 
 

@@ -275,7 +275,19 @@ def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
 def adapter_gemm_s(work: LayerWork, model, cluster, params, temperature):
     """LoRA adapters' GEMMs of one layer ([2]: forward; backward, dgrad and wgrad): 16-bit,
     at the 16-bit large-GEMM rate, without a shape-grid factor (rank-r GEMMs are bound by
-    reading their inputs); 0 without LoRA (every adapter GEMM then has size zero)."""
+    reading their inputs); 0 without LoRA (every adapter GEMM then has size zero).
+
+    Computed under ``lax.cond`` on the adapter ranks: where they do not vary over a batch (a
+    sweep passes such plan leaves unbatched, ``sweep.batch_axes``) a batch without LoRA skips
+    the adapters; under ``vmap`` with batched ranks the condition is a select of both
+    branches, the same values."""
+    zero = jnp.zeros(2, work.lora.dtype)
+    on = jnp.any(work.adapter_ranks > 0.0)
+    args = (work, model, cluster, params)
+    return jax.lax.cond(on, lambda a: _adapter_gemm_s(*a, temperature), lambda a: zero, args)
+
+
+def _adapter_gemm_s(work: LayerWork, model, cluster, params, temperature):
     g = work.adapter_gemms
     rate = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
     fwd, dgrad, wgrad = gemm_s(

@@ -1,7 +1,8 @@
 """Exhaustive sweeps: every plan of a ``Space``, evaluated in fixed-size chunks over all devices.
 
 ``sweep`` enumerates a ``diffcost.space.Space`` (``space.enumerate_plans``) and ``evaluate``
-runs ``jax.vmap(simulate)`` over the batched plans. The batch axis is split into chunks of one
+runs ``jax.vmap(simulate)`` over the batched plans, the plan leaves that hold one value over
+the whole batch passed once, unbatched (``batch_axes``). The batch axis is split into chunks of one
 fixed size (the last chunk padded by repeating a row, the padding dropped afterwards), and each
 chunk is sharded over every device JAX sees along a one-axis mesh ``("batch",)``; the model,
 the cluster and the Params are replicated. One jit-compiled program serves every chunk: it is
@@ -76,21 +77,44 @@ ProgressFn = Callable[[int, int], None]
 # --------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------
+def batch_axes(plans: PlanArrays):
+    """``(in_axes, plans)`` for ``jax.vmap``: each leaf of the batched ``plans`` that holds one
+    value over the whole batch is passed once, unbatched (axis None), the others along axis 0.
+
+    What depends on unbatched leaves alone is then computed once per call rather than per
+    configuration, and a ``lax.cond`` on them stays a branch under ``vmap`` (the LoRA
+    adapters, ``kernels.adapter_gemm_s``) instead of a select that computes both sides. The
+    values are the same either way. A batch of one configuration, or one whose leaves are all
+    constant, keeps its first leaf batched (``vmap`` needs a batched input).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(plans)
+    constant = [x.shape[0] > 1 and bool(np.all(x == x[:1])) for x in map(np.asarray, leaves)]
+    if all(constant) or len(leaves[0]) == 1:
+        constant = [False] * len(leaves)
+    axes = [None if c else 0 for c in constant]
+    values = [np.asarray(x)[0] if c else x for x, c in zip(leaves, constant)]
+    return treedef.unflatten(axes), treedef.unflatten(values)
+
+
 @functools.lru_cache(maxsize=16)
-def _sharded_simulate(devices: tuple, temperature: float):
+def _sharded_simulate(devices: tuple, temperature: float, axes_key: tuple):
     """(jitted vmap(simulate) with batch-sharded plans, row sharding, replicated sharding).
 
-    One jit object per (devices, temperature); jit's own cache then compiles it once per
-    chunk size and dtype.
+    One jit object per (devices, temperature, which plan leaves are batched: ``axes_key`` is
+    the plans' treedef and their ``batch_axes`` leaves); jit's own cache then compiles it once
+    per chunk size and dtype.
     """
+    treedef, axes = axes_key
     mesh = Mesh(np.asarray(devices, dtype=object), (BATCH_AXIS,))
     rows = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
     whole = NamedSharding(mesh, PartitionSpec())
+    plan_axes = treedef.unflatten(list(axes))
+    plan_shardings = treedef.unflatten([whole if a is None else rows for a in axes])
     batched = jax.vmap(
         lambda model, plan, cluster, params: simulate(model, plan, cluster, params, temperature),
-        in_axes=(None, 0, None, None),
+        in_axes=(None, plan_axes, None, None),
     )
-    fn = jax.jit(batched, in_shardings=(whole, rows, whole, whole), out_shardings=rows)
+    fn = jax.jit(batched, in_shardings=(whole, plan_shardings, whole, whole), out_shardings=rows)
     return fn, rows, whole
 
 
@@ -160,7 +184,6 @@ def evaluate(
     """
     dtype = jnp.result_type(float)
     devices = tuple(jax.devices() if devices is None else devices)
-    fn, rows, whole = _sharded_simulate(devices, float(temperature))
 
     as_float = lambda x: np.asarray(x, dtype=dtype)  # noqa: E731
     plans = jax.tree_util.tree_map(as_float, plans)
@@ -169,6 +192,10 @@ def evaluate(
         raise ConfigError(f"plans: every leaf needs the same leading batch axis, got {sizes}")
     (n,) = sizes
     size = chunk_size(n, chunk, len(devices))
+    axes, plans = batch_axes(plans)
+    axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda a: a is None)
+    leaves, treedef = jax.tree_util.tree_flatten(plans)
+    fn, rows, whole = _sharded_simulate(devices, float(temperature), (treedef, tuple(axes)))
 
     replicate = lambda tree: jax.tree_util.tree_map(  # noqa: E731
         lambda x: _global_array(as_float(x), whole), tree
@@ -176,9 +203,15 @@ def evaluate(
     model = replicate(model_arrays(space.model))
     cluster = replicate(cluster_arrays(space.cluster, n_gpus=space.n_gpus))
     params = replicate(params)
+    once = [None if a == 0 else _global_array(x, whole) for x, a in zip(leaves, axes)]
 
-    chunk_in = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype, sharding=rows), plans
+    def chunk_of(take):
+        """The plans of one chunk: batched leaves ``take(leaf)``, the others as they are."""
+        parts = [x if a is None else take(leaf) for x, a, leaf in zip(once, axes, leaves)]
+        return treedef.unflatten(parts)
+
+    chunk_in = chunk_of(
+        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype, sharding=rows)
     )
     # compiled ahead of the first chunk (cached: later calls lower and compile nothing)
     compiled = fn.lower(model, chunk_in, cluster, params).compile()
@@ -190,7 +223,7 @@ def evaluate(
         else:  # the last chunk: pad by repeating the last plan
             index = np.minimum(np.arange(start, start + size), n - 1)
             take = lambda x: x[index]  # noqa: E731
-        rows_in = jax.tree_util.tree_map(lambda x: _global_array(take(x), rows), plans)
+        rows_in = chunk_of(lambda x: _global_array(take(x), rows))
         return start, compiled(model, rows_in, cluster, params)
 
     def collect(start, result):

@@ -95,6 +95,7 @@ class LayerWork:
     # LoRA fine-tuning (``lora_work``): 0 and the plain counts without it
     lora: jax.Array  # 1 when the base weights are frozen: their weight-gradient GEMMs are skipped
     adapter_gemms: Gemms  # [8] adapters' down (x A) and up (x B) GEMMs, zero-size off target
+    adapter_ranks: jax.Array  # [4] adapter rank on QKV, attention output, FC1, FC2 (0: none)
     trained_params: jax.Array  # dense parameters of one layer with gradients, on one GPU
     trained_expert_params: jax.Array  # expert parameters with gradients, on one GPU
     trained_embedding_params: jax.Array  # embedding (or untied head) parameters with gradients
@@ -194,6 +195,7 @@ def lora_work(plan: PlanArrays, gemms: Gemms, dense, experts, embedding) -> dict
     return {
         "lora": on,
         "adapter_gemms": adapters,
+        "adapter_ranks": rank,
         "trained_params": dense * (1.0 - on) + adapter_params * on,
         "trained_expert_params": experts * (1.0 - on),
         "trained_embedding_params": embedding * (1.0 - on),

@@ -354,3 +354,46 @@ def test_sharded_equals_unsharded(sharded_runs, small):
     b4 = Breakdown(**{k: d4[k] for k in d4.files})
     for key in Breakdown.TIME_PARTS:
         assert sweep._fmt(time_part(b4, key)) == sweep._fmt(time_part(d1, key)), key
+
+
+def test_batch_axes_pass_constant_leaves_once():
+    plans, _ = space.enumerate_plans(space.load_space(*SMALL))
+    axes, split = sweep.batch_axes(plans)
+    for name, axis, leaf in zip(
+        [f.name for f in dataclasses.fields(plans) if f.metadata.get("pytree_node", True)],
+        jax.tree_util.tree_leaves(axes, is_leaf=lambda a: a is None),
+        jax.tree_util.tree_leaves(split),
+    ):
+        whole = np.asarray(getattr(plans, name))
+        if axis is None:
+            assert (whole == whole[:1]).all() and np.array_equal(leaf, whole[0]), name
+        else:
+            assert axis == 0 and np.array_equal(leaf, whole) and not (whole == whole[:1]).all()
+    assert plans.lora.shape[0] > 1 and axes.lora is None and axes.tp == 0
+    # one configuration: every leaf batched (vmap needs one)
+    one = jax.tree_util.tree_map(lambda x: x[:1], plans)
+    axes1, split1 = sweep.batch_axes(one)
+    assert set(jax.tree_util.tree_leaves(axes1)) == {0}
+    assert all(x.shape[0] == 1 for x in jax.tree_util.tree_leaves(split1))
+
+
+def test_lora_space_swept_with_its_adapters():
+    """A LoRA space's constant adapter leaves go unbatched (their ``lax.cond`` a branch); each
+    plan gets what ``simulate_jit`` gives it, and the adapters cost time."""
+    small = space.load_space(*SMALL)
+    s = space.make_space(small.model, small.cluster, 8, 32, lora_rank=16)
+    plans, choices = space.enumerate_plans(s)
+    take = np.linspace(0, len(choices) - 1, 5).astype(int)
+    part = jax.tree_util.tree_map(lambda x: x[take], plans)
+    assert sweep.batch_axes(part)[0].lora_rank is None
+    b = sweep.evaluate(s, part, default_params(), chunk=CHUNK)
+    model, cluster = model_arrays(s.model), cluster_arrays(s.cluster)
+    for row, i in enumerate(take):
+        spec = s.plan_spec(choices[i])
+        plan = plan_arrays(spec)
+        one = api.simulate_jit(model, plan, cluster, default_params())
+        np.testing.assert_allclose(b.iteration_s[row], one.iteration_s, rtol=ULP_RTOL)
+        plain = plan_arrays(dataclasses.replace(spec, lora_rank=None))
+        assert (
+            one.iteration_s != api.simulate_jit(model, plain, cluster, default_params()).iteration_s
+        )
