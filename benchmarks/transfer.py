@@ -3,7 +3,7 @@ leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
         [--no-few-shot] [--few-shot own|descent|joint] [--suggest] [--unseen population|defaults]
-        [--device-layer-grid] [--no-stacks] [--no-sources] [--no-family-parents] [--fits DIR]
+        [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
 usually from a cluster, a framework or a scale no measurement covers.
@@ -106,7 +106,6 @@ class Transfer:
         knobs = {
             "device_layer_grid": args.device_layer_grid,
             "stacks": not args.no_stacks,
-            "sources": not args.no_sources,
             "family_parents": not args.no_family_parents,
         }
         self.cfg = F.FitConfig(steps=60 if args.quick else F.FitConfig().steps, **knobs)
@@ -118,8 +117,7 @@ class Transfer:
         # cluster's own constants: the offsets the zero-shot fit found stay as they are) for
         # ``FEW_SHOT_STEPS`` steps from the warm start (``calibrate --steps``)
         self.own_cfg = F.FitConfig(
-            steps=30 if args.quick else FEW_SHOT_STEPS,
-            **{**knobs, "stacks": False, "sources": False},
+            steps=30 if args.quick else FEW_SHOT_STEPS, **{**knobs, "stacks": False}
         )
         self.refit_cfg = self.few_cfg if self.few_shot == "joint" else self.own_cfg
         self.meas = load_data(Path(args.data))
@@ -131,9 +129,7 @@ class Transfer:
         self.ones = {lvl: np.ones(self.P.counts[lvl]) for lvl in self.P.data}
         chunk = max(int((self.src == s).sum()) for s in set(self.src))
         n_fam, n_clu = len(self.P.families), len(self.P.clusters)
-        self.predictor = Predictor(
-            min(chunk, 512), n_fam, n_clu, self.cfg.temperature, len(self.P.sources)
-        )
+        self.predictor = Predictor(min(chunk, 512), n_fam, n_clu, self.cfg.temperature)
         # held-out row mask (bytes) -> (fit steps, tables, weights); on disk with ``--fits``
         self.zero_shot_fits: dict = {}
         self.refits: list = []  # (runs, strength leave-one-out chose) of each few-shot refit
@@ -189,7 +185,7 @@ class Transfer:
         unseen = self.unseen_row(tables, w)
         target, dev, clu = target_tables(rows, self.P, tables, fams, clus, unseen)
         d = target.data["e2e"]
-        params = F.assemble(dev, clu, d["d"], d["c"], d["s"], d["r"])
+        params = F.assemble(dev, clu, d["d"], d["c"], d["s"])
         _, jac = log_time_jacobians(d["model"], d["plan"], d["cluster"], params)
         return np.asarray(jac, dtype=float)
 
@@ -480,7 +476,6 @@ def measure(args) -> dict:
             "fit_steps": t.cfg.steps,
             "device_layer_grid": t.cfg.device_layer_grid,
             "stacks": t.cfg.stacks,
-            "sources": t.cfg.sources,
             "family_parents": t.cfg.family_parents,
             "few_shot": t.few_shot,
             "groups_selected": bool(args.groups),
@@ -579,8 +574,6 @@ def main(argv=None) -> int:
                     help="fit the device layer shape grid too (FitConfig)")  # fmt: skip
     ap.add_argument("--no-stacks", action="store_true",
                     help="hold the software stack offsets at 0 (FitConfig)")  # fmt: skip
-    ap.add_argument("--no-sources", action="store_true",
-                    help="hold the per-source offsets at 0 (FitConfig)")  # fmt: skip
     ap.add_argument("--no-family-parents", action="store_true",
                     help="centre every device prior on the defaults (FitConfig)")  # fmt: skip
     ap.add_argument("--data", default=str(DATA), help="shared data directory")

@@ -32,7 +32,6 @@ import optax
 
 from calibration import kernel_levels
 from calibration.kernel_levels import KERNEL_LEVELS
-from calibration.progress import FitProgress
 from calibration.records import Measurements
 from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
@@ -66,13 +65,6 @@ PRIOR_SD_LEAF = {FIELDS[f][0]: sd for f, sd in PRIOR_SD.items()}
 # entry per stack of ``STACK_NAMES``; an e2e row of an unknown stack reads offset 0.
 STACK_KEYS = {f"stack/{e.leaf}": e for e in STACK_EFFECTS}
 PRIOR_SD_LEAF.update({key: e.prior_sd for key, e in STACK_KEYS.items()})
-# Source offsets: the same leaves and widths again, one entry per source of e2e runs
-# (``Problem.sources``): what one source's runs share beyond their stack (its framework release,
-# recipes, system software). They keep a source's peculiarities out of the device, cluster and
-# stack constants that other sources' runs read, and a run of a source the fit has not seen
-# reads offset 0, the population of sources (``FitConfig.sources``).
-SOURCE_KEYS = {f"source/{e.leaf}": e for e in STACK_EFFECTS}
-PRIOR_SD_LEAF.update({key: e.prior_sd for key, e in SOURCE_KEYS.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +107,6 @@ class FitConfig:
     device_layer_grid: bool = False
     # Whether per-stack offsets (diffcost.stacks) are fitted; when False they stay 0.
     stacks: bool = True
-    # Whether per-source offsets (``SOURCE_KEYS``) are fitted; when False they stay 0.
-    sources: bool = True
     # Whether a family's device prior is centred on its relative's fitted constants
     # (``family_parents``) rather than on the datasheet defaults.
     family_parents: bool = True
@@ -146,17 +136,16 @@ DEVICE_LEAVES = _leaves(DEVICE_FIELDS)
 CLUSTER_LEAVES = _leaves(CLUSTER_FIELDS)
 
 
-def assemble(dev_tab: dict, clu_tab: dict, d_idx, c_idx, s_idx=None, r_idx=None) -> Params:
+def assemble(dev_tab: dict, clu_tab: dict, d_idx, c_idx, s_idx=None) -> Params:
     """Per-row Params: device leaves from row ``d_idx`` of ``dev_tab``, cluster leaves from
     ``c_idx`` of ``clu_tab`` (index arrays give a batched Params), plus the offsets of stack
-    ``s_idx`` and of source ``r_idx`` where given (-1: unknown, no offset)."""
+    ``s_idx`` where given (-1: an unknown stack, no offset)."""
     kw = {leaf: dev_tab[leaf][d_idx] for leaf in DEVICE_LEAVES}
     kw.update({leaf: clu_tab[leaf][c_idx] for leaf in CLUSTER_LEAVES})
-    for idx, keys in ((s_idx, STACK_KEYS), (r_idx, SOURCE_KEYS)):
-        if idx is None or not keys.keys() <= clu_tab.keys() or clu_tab[next(iter(keys))].size == 0:
-            continue
-        for key, effect in keys.items():
-            off = jnp.where(idx >= 0, clu_tab[key][jnp.maximum(idx, 0)], 0.0)
+    if s_idx is not None and STACK_KEYS.keys() <= clu_tab.keys():
+        known = s_idx >= 0
+        for key, effect in STACK_KEYS.items():
+            off = jnp.where(known, clu_tab[key][jnp.maximum(s_idx, 0)], 0.0)
             base = kw[effect.leaf]
             kw[effect.leaf] = base + off.reshape(off.shape + (1,) * (base.ndim - off.ndim))
     return Params(**kw)
@@ -193,7 +182,6 @@ class Problem:
     clusters: list[str]
     data: dict  # level -> dict of arrays (pytrees)
     counts: dict  # level -> rows
-    sources: list[str] = dataclasses.field(default_factory=list)  # e2e "r" indexes these
 
 
 def _octave_weights(colls) -> np.ndarray:
@@ -216,7 +204,6 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     dtype = jnp.result_type(float) if dtype is None else dtype
     families: list[str] = []
     clusters: list[str] = []
-    sources: list[str] = []
     cluster_cache: dict = {}
 
     def cl(name):
@@ -234,7 +221,6 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     if meas.e2e:
         rows = meas.e2e
         per_source = collections.Counter(r.source_name for r in rows)
-        sources = sorted(per_source)
         data["e2e"] = {
             "model": stack([model_arrays(r.model, dtype) for r in rows]),
             "plan": stack([plan_arrays(r.plan, dtype) for r in rows]),
@@ -242,7 +228,6 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             "d": np.array([idx(families, gpu_family(r.cluster.gpu.name)) for r in rows]),
             "c": np.array([idx(clusters, r.cluster.name) for r in rows]),
             "s": np.array([STACK_NAMES.index(r.stack) if r.stack else -1 for r in rows]),
-            "r": np.array([sources.index(r.source_name) for r in rows]),
             "log_meas": np.log(np.array([r.measured_iter_s for r in rows], dtype=float)),
             # every source weighs the same: 1,440 vTrain rows would otherwise decide alone
             "weight": np.array([1.0 / per_source[r.source_name] for r in rows]),
@@ -288,7 +273,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     cast = lambda x: jnp.asarray(x, dtype) if np.asarray(x).dtype.kind == "f" else jnp.asarray(x)  # noqa: E731
     data = jax.tree_util.tree_map(cast, data)
     counts = {k: int(v["log_meas"].shape[0]) for k, v in data.items()}
-    return Problem(families, clusters, data, counts, sources)
+    return Problem(families=families, clusters=clusters, data=data, counts=counts)
 
 
 GRID_LEAF = FIELDS[GRID_FIELD][0]  # the GEMM shape grid's raw leaf
@@ -304,8 +289,7 @@ def _shared_grid(dev_tab, clu_tab, d):
     its gradient back tripled the step time."""
     table = dev_tab[GRID_LEAF]  # [families, classes, G, G, G]
     unread = jnp.zeros((table.shape[0], 1))
-    params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"], d.get("s"),
-                      d.get("r"))  # fmt: skip
+    params = assemble({**dev_tab, GRID_LEAF: unread}, clu_tab, d["d"], d["c"], d.get("s"))
     return table.reshape((-1,) + table.shape[2:]), params
 
 
@@ -372,7 +356,6 @@ def initial_tables(problem: Problem, dtype=None, start: dict[str, Params] | None
     clu = rows(by_cluster, CLUSTER_LEAVES)
     dtype = clu[CLUSTER_LEAVES[0]].dtype
     clu.update({key: jnp.zeros(len(STACK_NAMES), dtype) for key in STACK_KEYS})
-    clu.update({key: jnp.zeros(len(problem.sources), dtype) for key in SOURCE_KEYS})
     return rows(by_family, DEVICE_LEAVES), clu
 
 
@@ -436,8 +419,8 @@ def make_loss(
             clu = _freeze_small_cluster_grids(clu, data["e2e"], cfg.cluster_grid_rows)
         if not cfg.device_layer_grid:
             dev = {**dev, LAYER_LEAF: jax.lax.stop_gradient(dev[LAYER_LEAF])}
-        held = (STACK_KEYS if not cfg.stacks else {}) | (SOURCE_KEYS if not cfg.sources else {})
-        clu = {k: jax.lax.stop_gradient(v) if k in held else v for k, v in clu.items()}
+        if not cfg.stacks:
+            clu = {k: jax.lax.stop_gradient(v) if k in STACK_KEYS else v for k, v in clu.items()}
         logs = predict_log(dev, clu, data, cfg.temperature)
         total = 0.0
         for level, lp in logs.items():
@@ -526,7 +509,7 @@ def _fit(meas, cfg, progress, problem, start, init) -> FitResult:
     state = opt.init(tables)
     losses: list[float] = []
     t0 = time.perf_counter()
-    bar = FitProgress(cfg.steps) if progress else None
+    bar = _progress(cfg.steps) if progress else None
     converged = False
     initial_logs = None
     final_blend = redescend_at(cfg, cfg.steps)
@@ -582,3 +565,30 @@ def _stack_values(clu: dict, problem: Problem) -> dict:
     return {
         STACK_NAMES[i]: {e.name: float(clu[key][i]) for key, e in STACK_KEYS.items()} for i in used
     }
+
+
+class _progress:
+    """A small rich progress bar (steps and loss); silent when not on a terminal."""
+
+    def __init__(self, total):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[loss]}"),
+            TimeElapsedColumn(),
+            transient=True,
+        )
+        # the first step compiles the whole fit (tens of seconds) before any loss exists
+        self._task = self._p.add_task("compiling the fit step", total=total, loss="")
+        self._p.start()
+
+    def update(self, done, loss):
+        self._p.update(
+            self._task, completed=done, loss=f"loss {loss:.4g}", description="calibrating"
+        )
+
+    def close(self):
+        self._p.stop()

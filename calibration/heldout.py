@@ -75,8 +75,7 @@ def weighted(problem: F.Problem, weights: dict, e2e_log_meas=None) -> F.Problem:
         data[lvl]["weight"] = w if base is None else w * jnp.asarray(base, jnp.float32)
     if e2e_log_meas is not None:
         data["e2e"]["log_meas"] = jnp.asarray(e2e_log_meas, jnp.float32)
-    return F.Problem(problem.families, problem.clusters, data, dict(problem.counts),
-                     problem.sources)  # fmt: skip
+    return F.Problem(problem.families, problem.clusters, data, dict(problem.counts))
 
 
 def trained_keys(problem: F.Problem, weights: dict) -> tuple[set, set]:
@@ -108,9 +107,6 @@ def tables_from_result(res: F.FitResult, problem: F.Problem):
             for key, e in F.STACK_KEYS.items()
         }
     )
-    # source offsets: the fit's own rows (in ``problem.sources`` order, as the fit's problem)
-    fitted = res.tables[1] if res.tables is not None else {}
-    clu.update({k: fitted.get(k, jnp.zeros(len(problem.sources))) for k in F.SOURCE_KEYS})
     return (
         {k: jnp.stack(v) for k, v in dev.items()},
         {k: jnp.asarray(v) for k, v in clu.items()},
@@ -174,13 +170,10 @@ def map_tables(
     n_fam,
     n_clu,
     unseen_cluster: dict | None = None,
-    n_src: int | None = None,
 ):
     """Trained tables in ``target``'s family/cluster order; rows of families/clusters not in
     ``fams``/``clus`` (not trained) and padding rows up to ``n_fam``/``n_clu`` are defaults,
-    or for clusters ``unseen_cluster`` (raw leaves, e.g. ``population_row``) when given. Source
-    offsets follow ``target.sources`` (offset 0 for a source ``src`` does not have, and for a
-    held-out one: its rows weigh 0, so its offsets stay at their start), padded to ``n_src``."""
+    or for clusters ``unseen_cluster`` (raw leaves, e.g. ``population_row``) when given."""
     dev_t, clu_t = tables
     p0 = default_params()
     fallback = unseen_cluster or {}
@@ -197,36 +190,28 @@ def map_tables(
     clu_starts = [p0] * len(target.clusters)
     clu = rows(target.clusters, src.clusters, clus, clu_t, F.CLUSTER_LEAVES, n_clu, clu_starts)
     clu.update({key: clu_t[key] for key in F.STACK_KEYS if key in clu_t})  # one row per stack
-    n_src = len(target.sources) if n_src is None else n_src
-    for key in F.SOURCE_KEYS:
-        tab = clu_t.get(key, jnp.zeros(0))
-        r = [tab[src.sources.index(x)] if x in src.sources[: tab.shape[0]] else 0.0
-             for x in target.sources]  # fmt: skip
-        clu[key] = jnp.asarray(r + [0.0] * (n_src - len(r)), dtype=clu_t[F.CLUSTER_LEAVES[0]].dtype)
     fam_starts = [default_params(family=f) for f in target.families]  # FAMILY_DEFAULTS
     return rows(target.families, src.families, fams, dev_t, F.DEVICE_LEAVES, n_fam, fam_starts), clu
 
 
 def target_tables(rows, src: F.Problem, tables, fams: set, clus: set, unseen_cluster=None,
-                  n_fam: int | None = None, n_clu: int | None = None,
-                  n_src: int | None = None):  # fmt: skip
+                  n_fam: int | None = None, n_clu: int | None = None):  # fmt: skip
     """(problem of the e2e ``rows``, its device table, its cluster table): ``tables`` trained
-    on ``src`` mapped to the rows' families, clusters and sources (``map_tables``), padded to
-    ``n_fam`` x ``n_clu`` (x ``n_src``) rows when given."""
+    on ``src`` mapped to the rows' families and clusters (``map_tables``), padded to
+    ``n_fam`` x ``n_clu`` rows when given."""
     target = F.build_problem(Measurements(e2e=list(rows)))
     n_fam = len(target.families) if n_fam is None else n_fam
     n_clu = len(target.clusters) if n_clu is None else n_clu
-    dev, clu = map_tables(src, tables, fams, clus, target, n_fam, n_clu, unseen_cluster, n_src)
+    dev, clu = map_tables(src, tables, fams, clus, target, n_fam, n_clu, unseen_cluster)
     return target, dev, clu
 
 
 class Predictor:
     """log predicted iteration time of e2e records from mapped tables; one compile: rows are
-    padded to ``chunk`` (repeating the first) and tables to ``n_fam`` x ``n_clu`` (and the
-    source offsets to ``n_src`` rows)."""
+    padded to ``chunk`` (repeating the first) and tables to ``n_fam`` x ``n_clu``."""
 
-    def __init__(self, chunk: int, n_fam: int, n_clu: int, temperature: float, n_src: int = 8):
-        self.chunk, self.n_fam, self.n_clu, self.n_src = chunk, n_fam, n_clu, n_src
+    def __init__(self, chunk: int, n_fam: int, n_clu: int, temperature: float):
+        self.chunk, self.n_fam, self.n_clu = chunk, n_fam, n_clu
         self._fn = jax.jit(lambda dev, clu, data: F.predict_log(dev, clu, data, temperature)["e2e"])
 
     def __call__(
@@ -237,9 +222,9 @@ class Predictor:
             part = list(rows[s : s + self.chunk])
             n = len(part)
             part += [part[0]] * (self.chunk - n)
-            n_src = max(self.n_src, len(src.sources))
-            args = (unseen_cluster, self.n_fam, self.n_clu, n_src)
-            target, dev, clu = target_tables(part, src, tables, fams, clus, *args)
+            target, dev, clu = target_tables(
+                part, src, tables, fams, clus, unseen_cluster, self.n_fam, self.n_clu
+            )
             out.append(np.asarray(self._fn(dev, clu, target.data))[:n])
         return np.concatenate(out) if out else np.zeros(0)
 

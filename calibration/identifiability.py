@@ -30,11 +30,7 @@ def parameter_names(problem: F.Problem, tables) -> np.ndarray:
             arr = np.asarray(arr)
             a = np.empty(arr.shape, dtype=object)
             # stack offsets ride in the cluster table, one entry per stack
-            kind, rows = (prefix, keys)
-            if leaf in F.STACK_KEYS:
-                kind, rows = "stack", F.STACK_NAMES
-            elif leaf in F.SOURCE_KEYS:
-                kind, rows = "source", problem.sources
+            kind, rows = ("stack", F.STACK_NAMES) if leaf in F.STACK_KEYS else (prefix, keys)
             for idx in np.ndindex(arr.shape):
                 tail = f"[{','.join(map(str, idx[1:]))}]" if arr.ndim > 1 else ""
                 a[idx] = f"{kind}:{rows[idx[0]]}:{leaf}{tail}"

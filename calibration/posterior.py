@@ -318,7 +318,7 @@ def _thinned(problem: F.Problem, weights: dict, max_rows: int):
         take = kept[np.unique(pick)]
         data[level] = jax.tree_util.tree_map(lambda x, take=take: x[take], d)
         counts[level], scale[level] = take.size, kept.size / take.size
-    return F.Problem(problem.families, problem.clusters, data, counts, problem.sources), scale
+    return F.Problem(problem.families, problem.clusters, data, counts), scale
 
 
 def fold_covariance(

@@ -75,8 +75,7 @@ def runs_problem(problem: F.Problem, rows=None) -> F.Problem:
         rows = np.flatnonzero(w > 0)
     rows = np.asarray(rows, dtype=int)
     data = {"e2e": jax.tree_util.tree_map(lambda x: x[rows], e2e)}
-    return F.Problem(problem.families, problem.clusters, data, {"e2e": int(rows.size)},
-                     problem.sources)  # fmt: skip
+    return F.Problem(problem.families, problem.clusters, data, {"e2e": int(rows.size)})
 
 
 def add_flat(tables, delta: np.ndarray):
@@ -222,7 +221,7 @@ def fit_with_runs(
     tables = F.initial_tables(problem, start=start)
     if others:
         counts = {k: problem.counts[k] for k in others}
-        kernels = F.Problem(problem.families, problem.clusters, others, counts, problem.sources)
+        kernels = F.Problem(problem.families, problem.clusters, others, counts)
         first = F.fit(meas, cfg, progress, kernels, start)
         tables, losses = first.tables, first.losses
         seconds, converged = first.seconds, first.converged
