@@ -102,7 +102,9 @@ def with_population(
     """``result`` whose clusters without end-to-end runs take the population's value (over
     ``clusters``, ``population_row``) for every constant their measurements do not read
     (``heldout.fill_uninformed``): a cluster with collective tables only keeps the network
-    they fit and gets the host and overhead constants of the clusters with runs."""
+    they fit and gets the host and overhead constants of the clusters with runs; a GPU family
+    without runs gets the mean of the families with runs for the device constants only runs
+    read (``heldout.E2E_ONLY_DEVICE_LEAVES``)."""
     weights = {lvl: np.ones(n) for lvl, n in problem.counts.items()}
     population = population_row(problem, result.tables, clusters)
     dev, clu = fill_uninformed(problem, result.tables, weights, population, temperature)
@@ -112,9 +114,14 @@ def with_population(
         i = problem.families.index(fam) if fam in problem.families else 0
         by_cluster[name] = fit_mod.assemble(dev, clu, i, j)
         values[name] = prof.to_values(by_cluster[name], prof.CLUSTER_FIELDS)
-    return dataclasses.replace(
-        result, tables=(dev, clu), params_by_cluster=by_cluster, cluster_values=values
-    )
+    p0 = default_params()
+    devices = {
+        fam: prof.to_values(p0.replace(**{k: dev[k][i] for k in fit_mod.DEVICE_LEAVES}),
+                            prof.DEVICE_FIELDS)
+        for i, fam in enumerate(problem.families)
+    }  # fmt: skip
+    return dataclasses.replace(result, tables=(dev, clu), params_by_cluster=by_cluster,
+                               cluster_values=values, device_values=devices)  # fmt: skip
 
 
 def fitted_values(result: fit_mod.FitResult, cluster: str) -> dict:

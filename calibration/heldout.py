@@ -29,6 +29,10 @@ from diffcost.params import default_params
 from diffcost.validate import kendall_tau
 
 LEVELS = ("e2e", "coll", "gemm")
+# Device constants that only end-to-end runs read (no kernel or collective table does): a GPU
+# family without runs can learn them from no measurement of its own, so it takes the mean of
+# the families with runs (``fill_uninformed``), as a cluster without runs takes the population.
+E2E_ONLY_DEVICE_LEAVES = ("step_compute_log",)
 
 
 @contextlib.contextmanager
@@ -151,14 +155,21 @@ def fill_uninformed(problem: F.Problem, tables, weights: dict, population: dict,
     cluster without weighted e2e rows that no weighted row of the other levels reads
     (``uninformed``): such a cluster (one with collective measurements only) takes its network
     from its collectives and the rest from the clusters with runs, as a cluster without any
-    measurement does, not from the datasheet defaults."""
-    e2e_clusters = np.unique(np.asarray(problem.data["e2e"]["c"])[np.asarray(weights["e2e"]) > 0])
+    measurement does, not from the datasheet defaults. Likewise a GPU family without weighted
+    e2e rows takes the mean of the families with them for ``E2E_ONLY_DEVICE_LEAVES``."""
+    with_runs = np.asarray(weights["e2e"]) > 0
+    e2e_clusters = np.unique(np.asarray(problem.data["e2e"]["c"])[with_runs])
     no_runs = ~np.isin(np.arange(len(problem.clusters)), e2e_clusters)
     clu = dict(tables[1])
     for leaf, free in uninformed(problem, tables, weights, temperature).items():
         take = jnp.asarray(free & no_runs).reshape((-1,) + (1,) * (clu[leaf].ndim - 1))
         clu[leaf] = jnp.where(take, jnp.asarray(population[leaf]), clu[leaf])
-    return tables[0], clu
+    dev = dict(tables[0])
+    fams = np.unique(np.asarray(problem.data["e2e"]["d"])[with_runs])
+    lone = jnp.asarray(~np.isin(np.arange(len(problem.families)), fams))
+    for leaf in E2E_ONLY_DEVICE_LEAVES if fams.size else ():
+        dev[leaf] = jnp.where(lone, jnp.mean(dev[leaf][fams]), dev[leaf])
+    return dev, clu
 
 
 def map_tables(

@@ -244,13 +244,16 @@ def _gemm_times(work: LayerWork, model, cluster, params, temperature, grid):
     """(layer GEMMs [2], LM head GEMMs [2]) forward and backward, one ``gemm_s`` call.
 
     Forward ``(m x k) @ (k x n)``; dgrad ``(m x n) @ (n x k)`` and wgrad ``(k x m) @ (m x n)``:
-    the same FLOPs, transposed shapes. The LM head is not an FP8/FP4 layer (Megatron-Core's
+    the same FLOPs, transposed shapes. Rates are a training step's (``Params.step_compute``
+    times a lone kernel's). The LM head is not an FP8/FP4 layer (Megatron-Core's
     output layer, llm-foundry's tied head and torchtitan's float8 conversion all keep it in 16
     bits): it runs at the 16-bit rate and reads the 16-bit shape grid.
     """
     low, g = work.low_precision, work.gemms
-    rate = jnp.maximum(gemm_peak_flops(model, cluster, params), 1.0)
-    head_rate = low * jnp.maximum(half_peak_flops(model, cluster, params), 1.0) + (1.0 - low) * rate
+    step = params.step_compute
+    rate = jnp.maximum(gemm_peak_flops(model, cluster, params) * step, 1.0)
+    half = jnp.maximum(half_peak_flops(model, cluster, params) * step, 1.0)
+    head_rate = low * half + (1.0 - low) * rate
     head = (work.head_tokens, work.vocab_local, model.hidden)
     table, base = (params.gemm_shape_log_eff, None) if grid is None else grid
     log_effs = layer_and_head_log_effs(table, low, g.m, g.n, g.k, head, base)
@@ -289,7 +292,7 @@ def adapter_gemm_s(work: LayerWork, model, cluster, params, temperature):
 
 def _adapter_gemm_s(work: LayerWork, model, cluster, params, temperature):
     g = work.adapter_gemms
-    rate = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
+    rate = jnp.maximum(half_peak_flops(model, cluster, params) * params.step_compute, 1.0)
     fwd, dgrad, wgrad = gemm_s(
         jnp.stack([g.m, g.m, g.k]),
         jnp.stack([g.n, g.k, g.n]),
@@ -317,10 +320,10 @@ def _attention_times(work: LayerWork, model, cluster, params, temperature):
     """Attention core forward and backward [2]: a roofline of its FLOPs (half of them with a
     fused causal kernel, all of them for non-causal attention) and its HBM traffic; unfused,
     the score passes add up in series. The fused kernel's efficiency depends on its shape
-    (``LayerWork.attention_shape``)."""
+    (``LayerWork.attention_shape``); its rate is a training step's (``Params.step_compute``)."""
     flash, mask = model.flash, model.causal
     causal = flash * (mask * CAUSAL_FRACTION_FLASH + (1.0 - mask)) + (1.0 - flash)
-    rate16 = jnp.maximum(half_peak_flops(model, cluster, params), 1.0)
+    rate16 = jnp.maximum(half_peak_flops(model, cluster, params) * params.step_compute, 1.0)
     eff = params.attention_eff(model.flash2, work.attention_shape, model.triton)
     attn_rate = rate16 * (flash * eff + (1.0 - flash))
     fwd = smooth.smax2(

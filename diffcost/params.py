@@ -153,6 +153,12 @@ class Constant:
 # a reducing collective's pass over its buffer runs on a few SMs at ~1 TB/s (order of
 # magnitude: the A100 all-reduce tables fit ~0.5 TB/s); PyTorch eager dispatch costs ~10 us of
 # CPU per op with autograd, so small layers are bound by the host, not the GPU.
+# ``step_compute`` scales the GEMM and attention rates of a training step's kernels (not of a
+# kernel measured alone: GEMM and attention tables, ``diffcost.microbench``): a GPU running a
+# training step sustains lower clocks under its power limit than in a short microbenchmark and
+# shares its SMs with communication kernels, and that is the device's, whatever the software.
+# It defaults to 1 (no difference until end-to-end runs and kernel tables of one family
+# disagree); its width, 0.3 in log, is the order of the clock and SM-sharing losses.
 # Prior widths (``prior_sd``) are in the raw units the fit moves (natural log for positive
 # constants, logit for fractions): how far a datasheet-style value is plausibly off. Link
 # efficiencies are well known from nccl-tests (0.8 -> 0.66-0.89 at one width); kernel
@@ -213,6 +219,8 @@ CONSTANTS = (
     _C("attn_ceiling", "attn_ceiling_log", "log", 1.0, 0.5, "device",
        "attention ceiling over the 16-bit GEMM rate", "x"),
     _C("mem_eff", "mem_eff_logit", "logit", 0.80, 1.0, "device", "HBM efficiency", "%", 100.0),
+    _C("step_compute", "step_compute_log", "log", 1.0, 0.3, "device",
+       "compute rate in a training step over the kernel tables'", "x"),
     _C("kernel_overhead_s", "kernel_overhead_log_s", "log", 4e-6, 1.0, "device",
        "kernel launch overhead", "µs", 1e6),
     _C("host_op_s", "host_op_log_s", "log", 15e-6, 1.0, "cluster", "host time per op", "µs", 1e6),
