@@ -12,8 +12,9 @@ reduce and prices the rows of XLA's table as XLA runs them (``cost.collective_pr
 xla=True)``), with NCCL's LL128 protocol beside Simple (``protocols=True``). The graph path's
 own constants, which ``comm`` and so the shipped profiles do not have
 (``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
-cluster's ``nvlink_eff`` per cluster (and, where its tables are XLA's, its Simple curve's
-``half_bw_bytes``: ``PROTOCOL_CLUSTER_CONSTANTS``), by ``calibration.network_fit`` on these
+cluster's ``nvlink_eff`` and NVLS constants (``GRAPH_CLUSTER_DEVICE_CONSTANTS``) per cluster
+(and, where its tables are XLA's, its Simple curve's ``half_bw_bytes``:
+``PROTOCOL_CLUSTER_CONSTANTS``), by ``calibration.network_fit`` on these
 same tables (all other constants stay at the profiles). Prints the MAPE per cluster: the graph
 with those fitted constants (in sample), with the graph constants at their datasheet defaults and
 ``nvlink_eff`` at the profile ("prior"), with all of them fitted on the other half
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from calibration.network_fit import (  # noqa: E402
     GRAPH_CLUSTER_CONSTANTS,
+    GRAPH_CLUSTER_DEVICE_CONSTANTS,
     GRAPH_CONSTANTS,
     PROTOCOL_CLUSTER_CONSTANTS,
     TRANSPORT_CONSTANTS,
@@ -203,6 +205,7 @@ def measure(quick: bool = False, clusters=None) -> dict:
         GRAPH_CONSTANTS,
         cluster_names=GRAPH_CLUSTER_CONSTANTS,
         cluster_extra=_cluster_extra(entries),
+        cluster_device=GRAPH_CLUSTER_DEVICE_CONSTANTS,
     )
     fitted = fit.fit()
     heldout = _heldout_s(entries, fit)

@@ -32,18 +32,23 @@ PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes")
 # ``half_bw_bytes`` for one curve serving every size, so a cluster priced with ``protocols``
 # refits it.
 PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes",)
-# What ``benchmarks/topology_collectives.py`` fits: per GPU family the switch constants and
-# the XLA tables' chunk pass, send/recv curve and LL128 protocol; per cluster its NVLink
-# efficiency (the profiles' value was fitted by ``diffcost.comm``, whose one ring bandwidth per
-# cluster absorbs the chunk pass).
+# What ``benchmarks/topology_collectives.py`` fits: per GPU family the XLA tables' chunk pass,
+# send/recv curve and channels (``diffcost.network.sendrecv``) and LL128 protocol; per cluster
+# its NVLink efficiency (the profiles' value was fitted by ``diffcost.comm``, whose one ring
+# bandwidth per cluster absorbs the chunk pass) and, as device constants fitted per cluster
+# (``SwitchFit(cluster_device=)``), the switch constants: NVLS's efficiency over the ring's and
+# its fixed cost per call are set by the software that runs it (NCCL's version, the runtime
+# launching it: nccl-tests on a DGX against XLA's programs) as much as by the switch.
 GRAPH_CONSTANTS = (
-    *SWITCH_CONSTANTS,
     "chunk_pass_Bps",
     "chunk_reduce_Bps",
     "sendrecv_half_bw_bytes",
+    "sendrecv_peer_bytes",
+    "sendrecv_small_share",
     *PROTOCOL_CONSTANTS,
 )
 GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)
+GRAPH_CLUSTER_DEVICE_CONSTANTS = SWITCH_CONSTANTS
 # What a cluster's network transport (``ClusterSpec.transport``) adds to its own constants: over
 # TCP the NIC's efficiency, latency and small-message curve (which ``comm``'s fit set for
 # RDMA-like rings) and the two regimes of ``diffcost.network.cost``'s ``tcp`` pricing.
@@ -84,8 +89,9 @@ def _check(names, level: str) -> list:
 
 
 class SwitchFit:
-    """The fit of ``names`` per GPU family of ``tables``, of ``cluster_names`` per cluster and
-    of ``cluster_extra[cluster]`` for that cluster alone (its transport's), compiled once per
+    """The fit of ``names`` per GPU family of ``tables``, of ``cluster_names`` (cluster
+    constants) and ``cluster_device`` (device constants) per cluster and of
+    ``cluster_extra[cluster]`` for that cluster alone (its transport's), compiled once per
     family (the whole Adam run in one program, the family's clusters in it)
     and run for any row weights (``fit``).
 
@@ -95,8 +101,9 @@ class SwitchFit:
     ``cfg.redescend`` of ``steps``.
 
     Raises:
-        ValueError: an unknown constant name, or one of another level (``names`` are device
-            constants, ``cluster_names`` and ``cluster_extra`` cluster constants).
+        ValueError: an unknown constant name, or one of another level (``names`` and
+            ``cluster_device`` are device constants, ``cluster_names`` and ``cluster_extra``
+            cluster constants).
     """
 
     def __init__(
@@ -108,10 +115,11 @@ class SwitchFit:
         learning_rate: float = 0.05,
         cluster_names: tuple[str, ...] = (),
         cluster_extra: dict[str, tuple[str, ...]] | None = None,
+        cluster_device: tuple[str, ...] = (),
     ):
         self.tables = list(tables)
         self.constants = _check(names, "device")
-        self.cluster_constants = _check(cluster_names, "cluster")
+        self.cluster_constants = _check(cluster_names, "cluster") + _check(cluster_device, "device")
         self.extra = {k: _check(v, "cluster") for k, v in (cluster_extra or {}).items()}
         self.cfg = dataclasses.replace(cfg or FitConfig(), steps=steps)
         self.learning_rate = learning_rate

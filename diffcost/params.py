@@ -129,8 +129,16 @@ class Constant:
 # it, and ``calibration.network_fit`` fits them.
 # The same tables' all-to-all (XLA runs it as grouped NCCL sends and receives) runs below the
 # ring's bandwidth up to tens of MiB where all-gather over the same GPUs does not:
-# ``sendrecv_half_bw_bytes`` is how much later its small-message curve reaches half the
-# bandwidth, defaulting to the collectives' own ``half_bw_bytes`` (1 MiB), 1.5 e-folds wide.
+# ``sendrecv_half_bw_bytes`` is its own small-message curve's half-bandwidth message (NCCL's
+# sends have their own chunking, not the collectives' Simple buffers whose curve
+# ``half_bw_bytes`` is), defaulting to ``half_bw_bytes``' default (1 MiB), 1.5 e-folds wide.
+# NCCL stripes each peer's send over more channels the more bytes it carries (src/enqueue.cc,
+# ``calcP2pChannelCount``: the channels double while each would carry more than its maximum), so
+# an all-to-all whose per-peer share ``msg / n`` is small runs on few channels: below
+# ``sendrecv_peer_bytes`` (default 1 MiB, an e-fold wide) the grouped sends run at
+# ``sendrecv_small_share`` of the links' bandwidth (default 0.5, one unit of log odds), a
+# logistic step in ``log(msg / n)`` (``diffcost.network.sendrecv``). Device constants, read only
+# for XLA's tables.
 # NCCL runs each algorithm under one of its protocols, the fastest by its own tuning model
 # (src/graph/tuning.cc: a latency plus the bytes over the protocol's share of the bus bandwidth).
 # ``diffcost.network.cost``'s ``protocols`` adds LL128 beside Simple: ``ll128_bw_share`` is its
@@ -256,8 +264,12 @@ CONSTANTS = (
     _C("chunk_reduce_Bps", "chunk_reduce_log_Bps", "log", 1e12, 1.0, "device",
        "unpipelined pass over a rank's chunk, reducing collectives (XLA tables)", "GB/s", 1e-9),
     _C("sendrecv_half_bw_bytes", "sendrecv_half_bw_log_bytes", "log", 1.0 * 2**20, 1.5,
-       "device", "grouped send/recv half-bandwidth message, beyond the collectives' (XLA)",
+       "device", "grouped send/recv half-bandwidth message (XLA)",
        "MiB", 2.0**-20),
+    _C("sendrecv_peer_bytes", "sendrecv_peer_log_bytes", "log", 1.0 * 2**20, 1.0, "device",
+       "grouped sends' per-peer size for all their channels (XLA)", "MiB", 2.0**-20),
+    _C("sendrecv_small_share", "sendrecv_small_share_logit", "logit", 0.5, 1.0, "device",
+       "grouped sends' bandwidth share below that size (XLA)", "%", 100.0),
     _C("ll128_bw_share", "ll128_bw_share_logit", "logit", 0.92, 0.7, "device",
        "LL128 protocol's share of the links' bandwidth", "%", 100.0),
     _C("ll128_half_bw_bytes", "ll128_half_bw_log_bytes", "log", 2.0**17, 2.0, "device",

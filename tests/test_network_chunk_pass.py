@@ -38,15 +38,15 @@ def test_chunk_pass_adds_the_rank_chunk_at_its_rate(collective, n):
 
 
 def test_xla_all_to_all_moves_its_small_message_curve_and_nvls_is_unchanged():
-    """XLA's all-to-all is the pairwise sends with ``half_bw_bytes`` raised by
-    ``sendrecv_half_bw_bytes``; NVLS (in the switch) pays no chunk pass."""
+    """XLA's all-to-all is the pairwise sends with ``sendrecv_half_bw_bytes`` in place of
+    ``half_bw_bytes`` (each peer's share far above ``sendrecv_peer_bytes``: all its
+    channels, ``test_network_sendrecv``); NVLS (in the switch) pays no chunk pass."""
     topo = switch_domain(8, LinkSpec(100e9, 1e-6), switch_reduction=True)
-    params = default_params(jnp.float64)
+    params = default_params(jnp.float64).replace(sendrecv_peer_log_bytes=jnp.log(1.0))
     msg = 64 * MiB
-    later = params.replace(
-        half_bw_log_bytes=jnp.log(params.half_bw_bytes + params.sendrecv_half_bw_bytes)
-    )
-    xla = _time(topo, "all_to_all", 8, msg, True, algorithms=("pairwise",))
+    params = params.replace(sendrecv_half_bw_log_bytes=jnp.log(3 * MiB))
+    later = params.replace(half_bw_log_bytes=params.sendrecv_half_bw_log_bytes)
+    xla = _time(topo, "all_to_all", 8, msg, True, algorithms=("pairwise",), params=params)
     plain = _time(topo, "all_to_all", 8, msg, False, algorithms=("pairwise",), params=later)
     assert xla == pytest.approx(plain, rel=REL)
     args = (topo, "all_reduce", 8, msg)

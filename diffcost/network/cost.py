@@ -20,8 +20,9 @@ the link capacities and the calibrated ``Params``) prices them:
   ``diffcost.comm.collective_s`` does; a pricing built with ``xla`` (XLA's collective table)
   also adds a pass over each rank's chunk, ``msg_bytes / n`` at ``chunk_pass_Bps`` (or
   ``chunk_reduce_Bps`` for a reducing collective), to the algorithms that run on the GPUs,
-  and moves the small-message curve of all-to-all's grouped sends and receives by
-  ``sendrecv_half_bw_bytes``;
+  gives all-to-all's grouped sends and receives their own small-message curve,
+  ``sendrecv_half_bw_bytes``, and runs them on fewer channels when each peer's share is small
+  (``diffcost.network.sendrecv``);
 * ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
   reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
   receives the result (``nvls_phases``), over its NVLink links at ``nvls_ratio * nvlink_eff``
@@ -54,6 +55,7 @@ from flax import struct
 
 from diffcost import smooth
 from diffcost.network import collectives as netcoll
+from diffcost.network import sendrecv
 from diffcost.network.graph import Topology, without_transit
 from diffcost.network.routing import distances, route
 from diffcost.params import Params
@@ -131,7 +133,8 @@ class CollectivePricing:
             over each rank's chunk, ``msg / group_size`` at ``chunk_pass_Bps`` (all-gather)
             or ``chunk_reduce_Bps`` (reduce-scatter, all-reduce), and the
             grouped sends and receives (``SENDRECV_ALGORITHMS``) reach half their bandwidth
-            ``sendrecv_half_bw_bytes`` later than the collectives' ``half_bw_bytes``.
+            at ``sendrecv_half_bw_bytes`` (not the collectives' ``half_bw_bytes``), at
+            ``sendrecv.peer_share`` of the links' bandwidth.
         tcp: 1.0 for a network transport over TCP (``ClusterSpec.transport``): the ring
             (``TCP_RING_ALGORITHMS``) runs its network links at ``tcp_ring_share`` of their
             capacity, and every other algorithm whose flows cross the network pays
@@ -552,7 +555,11 @@ def collective_time_s(
     times = []
     for name, alg in zip(pricing.names, pricing.algorithms):
         capacity, latency = _effective_links(pricing, capacity_Bps, params, name, alg)
-        late = pricing.xla * params.sendrecv_half_bw_bytes if name in SENDRECV_ALGORITHMS else 0.0
+        late = 0.0
+        if name in SENDRECV_ALGORITHMS:  # XLA's grouped sends: own curve, channels by size
+            late = pricing.xla * (params.sendrecv_half_bw_bytes - params.half_bw_bytes)
+            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size)
+            capacity = capacity * (1.0 + pricing.xla * (share - 1.0))
         args = (alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
         t = _algorithm_s(*args, late)
         if pricing.protocols and name in LL128_ALGORITHMS:

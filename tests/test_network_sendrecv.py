@@ -1,0 +1,97 @@
+"""XLA's all-to-all on fewer channels when each peer's share is small
+(``diffcost.network.sendrecv``), and device constants fitted per cluster
+(``calibration.network_fit.SwitchFit(cluster_device=)``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from calibration.network_fit import PricedTable, SwitchFit
+from diffcost.network import cost, sendrecv
+from diffcost.network.generators import switch_domain
+from diffcost.network.graph import LinkSpec
+from diffcost.params import default_params
+
+MiB = 2.0**20
+
+
+def _a2a_s(topo, n, msg, xla, params):
+    pricing = cost.collective_pricing(topo, "all_to_all", n, algorithms=("pairwise",), xla=xla)
+    return float(cost.collective_time_s(pricing, msg, topo.capacity_Bps, params, 0.0))
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_xla_all_to_all_runs_at_the_small_share_below_the_peer_size(small):
+    """Far below ``sendrecv_peer_bytes`` per peer the grouped sends run at
+    ``sendrecv_small_share`` of the NVLink bandwidth, far above at all of it (their own
+    small-message curve, ``sendrecv_half_bw_bytes``, in both)."""
+    topo = switch_domain(8, LinkSpec(100e9, 0.0))
+    params = default_params(jnp.float64)
+    params = params.replace(
+        sendrecv_peer_log_bytes=jnp.log(1e12 if small else 1.0),
+        sendrecv_small_share_logit=jnp.log(0.3 / 0.7),
+        sendrecv_half_bw_log_bytes=jnp.log(3 * MiB),
+    )
+    eff = float(params.nvlink_eff) * (0.3 if small else 1.0)
+    plain = params.replace(
+        nvlink_eff_logit=jnp.log(eff / (1.0 - eff)),
+        half_bw_log_bytes=params.sendrecv_half_bw_log_bytes,
+    )
+    msg = 64 * MiB
+    assert _a2a_s(topo, 8, msg, True, params) == pytest.approx(
+        _a2a_s(topo, 8, msg, False, plain), rel=1e-9
+    )
+
+
+def test_peer_share_is_a_step_in_the_bytes_per_peer():
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(MiB), sendrecv_small_share_logit=jnp.log(0.2 / 0.8)
+    )
+    # the same bytes per peer over 8 and 64 ranks: the same share
+    assert float(sendrecv.peer_share(params, 8 * MiB, 8)) == pytest.approx(
+        float(sendrecv.peer_share(params, 64 * MiB, 64)), rel=1e-12
+    )
+    shares = [float(sendrecv.peer_share(params, 64 * MiB * 2.0**k, 64)) for k in range(-3, 4)]
+    assert np.all(np.diff(shares) > 0.0)
+    assert shares[0] == pytest.approx(0.2, abs=0.01) and shares[-1] == pytest.approx(1.0, abs=0.01)
+    assert shares[3] == pytest.approx(0.6, rel=1e-9)  # halfway at the threshold
+
+
+def test_peer_share_gradient_reaches_its_constants():
+    topo = switch_domain(8, LinkSpec(100e9, 1e-6))
+    pricing = cost.collective_pricing(topo, "all_to_all", 8, xla=True)
+    grad = jax.grad(lambda p: cost.collective_time_s(pricing, 8 * MiB, topo.capacity_Bps, p))
+    g = grad(default_params(jnp.float64))  # 1 MiB per peer: at the default threshold
+    assert float(g.sendrecv_peer_log_bytes) > 0.0  # a larger threshold slows it
+    assert float(g.sendrecv_small_share_logit) < 0.0  # a larger share speeds it
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g))
+
+
+def test_fit_recovers_a_device_constant_per_cluster():
+    """``cluster_device``: two clusters of one family, each with its own NVLS efficiency."""
+    topo = switch_domain(8, LinkSpec(450e9, 1e-6), switch_reduction=True)
+    params = default_params(jnp.float64)
+    pricing = cost.collective_pricing(topo, "all_reduce", 8, algorithms=("nvls",))
+    cap = jnp.asarray(topo.capacity_Bps)
+    price = jax.jit(
+        jax.vmap(lambda p, m: cost.collective_time_s(pricing, m, cap, p, 0.0), in_axes=(None, 0))
+    )
+    sizes = 2.0 ** np.arange(20, 32)
+    truth = {"a": 0.7, "b": 0.9}
+    tables = [
+        PricedTable(
+            name,
+            "h100",
+            price,
+            sizes,
+            np.asarray(price(params.replace(nvls_ratio_logit=jnp.log(r / (1 - r))), sizes)),
+            params,
+        )
+        for name, r in truth.items()
+    ]
+    fitted = SwitchFit(tables, names=(), cluster_device=("nvls_ratio",), steps=600).fit()
+    for name, r in truth.items():
+        assert fitted[name]["nvls_ratio"] == pytest.approx(r, rel=0.02)
+    with pytest.raises(ValueError, match="not device constants"):
+        SwitchFit([], names=(), cluster_device=("nvlink_eff",))
