@@ -34,6 +34,7 @@ against the exact reference).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from diffcost import sharing, smooth
 from diffcost.network import model as netmodel
@@ -89,7 +90,7 @@ def shared_flows(traffic: dict, dims: dict, tables: NetworkTables, groups: dict,
     model.Group}``).
 
     Returns:
-        ``([flows, links] incidence, [flows] stream bytes, [flows] 1 for the bucket's,
+        ``([flows, links] incidence, [flows] stream bytes, [flows] numpy 1 for the bucket's,
         [links] capacity)``.
     """
     incidence, size, bucket = [], [], []
@@ -100,7 +101,7 @@ def shared_flows(traffic: dict, dims: dict, tables: NetworkTables, groups: dict,
                 incidence.append(row)
                 size.append(unit)
                 bucket.append(1.0 if name == "bucket" else 0.0)
-    mine = jnp.asarray(bucket, dtype=size[0].dtype)
+    mine = np.asarray(bucket)  # static: which rows are the bucket's
     return jnp.stack(incidence), jnp.stack(size), mine, link_capacity_Bps(tables, params)
 
 
@@ -116,10 +117,12 @@ def bucket_delay_s(traffic: dict, dims: dict, tables: NetworkTables, groups: dic
 
 
 def flows_delay_s(flows):
-    """``(delay, alone)`` of the bucket among ``shared_flows``' flows (``bucket_delay_s``)."""
+    """``(delay, alone)`` of the bucket among ``shared_flows``' flows (``bucket_delay_s``);
+    alone, the solver runs on the bucket's rows only (as many phases and rounds as they)."""
     incidence, size, mine, capacity = flows
     zeros = jnp.zeros_like(capacity)
-    together = sharing.completion_times_s(incidence, capacity, zeros, size)
-    alone = sharing.completion_times_s(incidence, capacity, zeros, size * mine)
-    done = [smooth.softmax_mean(jnp.where(mine > 0, t, 0.0)) for t in (together, alone)]
+    rows = np.flatnonzero(mine > 0)
+    together = sharing.completion_times_s(incidence, capacity, zeros, size)[rows]
+    alone = sharing.completion_times_s(incidence[rows], capacity, zeros, size[rows])
+    done = [smooth.softmax_mean(t) for t in (together, alone)]
     return done[0] - done[1], done[1]
