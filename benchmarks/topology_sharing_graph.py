@@ -2,6 +2,7 @@
 
     python benchmarks/topology_sharing_graph.py [--quick] [--tiers] [--json] [--update JSON]
     python benchmarks/topology_sharing_graph.py --iteration
+    python benchmarks/topology_sharing_graph.py --jobs 1,14
 
 For every example config (``configs/examples``, given ``topology: cluster``: the graph its
 cluster describes; and the jobs of ``configs/designs`` on their topologies) and a corpus of
@@ -22,7 +23,8 @@ of its own rows (the smoothing alone, without the link or tier abstraction); ``s
 figures of that file kept), without the full benchmark. ``--iteration`` prints, per example,
 the iteration time the smooth model predicts (``simulate``), ``reference.simulate_reference``
 on the stage times with the exact delay and with the smooth one (``compare_job``; slow: it
-compiles ``simulate`` per example).
+compiles ``simulate`` per example). ``--jobs 1,14`` prints only those jobs of the random
+corpus (indices as in ``random 1``), without the examples: to iterate on a few cases.
 """
 
 from __future__ import annotations
@@ -109,6 +111,19 @@ def measure(quick: bool, links: bool = True) -> dict:
     }
 
 
+def print_jobs(indices: list[int], links: bool = True) -> None:
+    """The smooth and exact bucket times of the corpus jobs ``indices`` alone."""
+    jobs = sharing_jobs.corpus(max(indices) + 1, seed=0)
+    for i in indices:
+        c = job_comparison(jobs[i], links)
+        print(
+            f"{100 * c.shared_err:7.3f}%  {jobs[i].name}: shared smooth {c.smooth_shared_s:.6e} "
+            f"exact {c.exact_shared_s:.6e}, alone smooth {c.smooth_alone_s:.6e} exact "
+            f"{c.exact_alone_s:.6e}, smoothing {100 * c.smoothing_err:.4f}%",
+            flush=True,
+        )
+
+
 def print_graph(g: dict) -> None:
     print(f"sharing on the graph: smooth ({g['sharing']}) vs exact (routed, event-driven), "
           "bucket time:")  # fmt: skip
@@ -134,7 +149,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--update", help="a topology.py JSON whose sharing.graph to replace")
     parser.add_argument("--iteration", action="store_true", help="the iteration per example")
+    parser.add_argument("--jobs", help="only these corpus jobs (comma-separated indices)")
     args = parser.parse_args(argv)
+    if args.jobs:
+        print_jobs([int(i) for i in args.jobs.split(",")], links=not args.tiers)
+        return 0
     if args.iteration:
         print_iterations()
         return 0

@@ -52,6 +52,15 @@ CASES = {
         "mixtral-8x7b.yaml",
         _plan(4, 2, 2, 2, "false", "tp,pp,dp,cp", ep=2),
     ),
+    # random 14 of the corpus: the bucket's rings inside the 2-GPU domains (the larger
+    # streams, NVLink-bound) and across them (through the NICs, shared with the
+    # tensor-parallel collectives): one flow of both moved in step, 2.2% over
+    "switch-2-fat-tree": (
+        lambda: gen.hierarchical(gen.switch_domain(2, LinkSpec(56.4e9, 1e-6)), 8,
+                                 gen.fat_tree(2, 16, LinkSpec(50e9, 1e-6), 1.0, hosts=16)),
+        "mixtral-8x7b.yaml",
+        _plan(2, 1, 8, 0, "true", "dp,tp,cp,pp", ep=1),
+    ),
 }  # fmt: skip
 
 
@@ -97,6 +106,23 @@ def test_tier_fields_do_not_depend_on_links():
     for field in ("log_grid", "load", "latency_s", "tier_capacity_Bps", "tier_nvlink"):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
     assert b.link_load.shape[-1] == b.link_scale.shape[0] == b.link_tier.shape[0]
+
+
+def test_stream_classes_split_the_slot_loads():
+    """The stream classes' loads add up to each slot's load (the tier tables' busiest link of
+    each tier), and the NVLink class loads NVLink links only."""
+    topology = CASES["switch-2-fat-tree"][0]()
+    t = build_tables(topology, 16, links=True)
+    total = np.asarray(t.link_load).sum(axis=2)  # [cells, slots, links]
+    scaled = total / np.asarray(t.link_scale)
+    tier = np.asarray(t.link_tier).argmax(axis=1)
+    busiest = np.stack([scaled[..., tier == k].max(axis=-1) for k in range(len(t.tiers))], -1)
+    np.testing.assert_allclose(busiest, np.asarray(t.load), rtol=1e-12, atol=1e-15)
+    nvlink = np.asarray(t.tier_nvlink)[tier] > 0
+    assert np.all(np.asarray(t.link_load)[:, :, 0, ~nvlink] == 0)
+    assert np.any(np.asarray(t.link_load)[:, :, 0, nvlink] > 0)
+    assert np.any(np.asarray(t.link_load)[:, :, 1, ~nvlink] > 0)
+    assert np.all(np.asarray(t.link_stream)[..., 1] >= 0)
 
 
 def _delay_fn(job):

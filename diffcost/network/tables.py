@@ -50,6 +50,7 @@ TIERS = ("nvlink", "nic", "leaf_spine", "spine_core", "other")
 SLOTS = ("ring", "tree", "hierarchical", "pairwise", "send")
 PAIRWISE_MAX = 64
 INVALID_LATENCY_S = 1.0  # an algorithm the placement cannot run: never the smooth minimum
+STREAM_CLASSES = ("nvlink", "network")  # per-link tables: a slot's streams by their links
 _TABLES = LRU(16)
 
 
@@ -71,12 +72,13 @@ class NetworkTables:
         contention: whether concurrent collectives share links (``diffcost.network.model``;
             static). The static fields are few, so that a jitted prediction compiles once per
             table shape, whatever the topology.
-        link_load: ``[G * G, len(SLOTS), links]`` bytes on every loaded link per byte of
-            buffer (``build_tables(links=True)``; None: the concurrent collectives share the
-            tiers' busiest links). ``diffcost.network.link_sharing`` shares these rows.
-        link_stream: ``[G * G, len(SLOTS), 2]`` the sum and the sum of squares, over the
-            slot's streams (its flows merged per source and destination), of the bytes each
-            moves per byte of buffer.
+        link_load: ``[G * G, len(SLOTS), len(STREAM_CLASSES), links]`` bytes on every loaded
+            link per byte of buffer, per stream class (``build_tables(links=True)``; None: the
+            concurrent collectives share the tiers' busiest links).
+            ``diffcost.network.link_sharing`` shares these rows.
+        link_stream: ``[G * G, len(SLOTS), len(STREAM_CLASSES), 2]`` the sum and the sum of
+            squares, over the class's streams (the slot's flows merged per source and
+            destination), of the bytes each moves per byte of buffer.
         link_tier: ``[links, len(tiers)]`` one-hot tier of each loaded link.
         link_scale: ``[links]`` each loaded link's capacity over its tier's reference.
     """
@@ -208,23 +210,37 @@ def job_graph(topology: Topology, n_gpus: int) -> Topology:
     return without_transit(topology, topology.endpoints[n_gpus:])
 
 
-def _streams(topology, phases) -> np.ndarray:
-    """``[2]`` sum and sum of squares of the bytes per buffer byte of the phases' flows, merged
-    per (source, destination) (as ``reference_network`` merges them into one flow)."""
+def _stream_classes(topology, phases, nvlink) -> tuple[np.ndarray, np.ndarray]:
+    """The phases' streams (their flows merged per source and destination, as
+    ``reference_network`` merges them) in ``STREAM_CLASSES``: those that stay on NVLink links
+    (``nvlink``: 1 for an NVLink link) and those that cross a network link.
+
+    Returns:
+        ``([classes, links] load, [classes, 2] streams)``: per class the bytes on each link
+        and the sum and sum of squares of its streams' bytes, per byte of buffer.
+    """
     src, dst, weight = (np.concatenate(x) for x in zip(*[p[:3] for p in phases]))
-    _, pair = np.unique(src * topology.n_nodes + dst, return_inverse=True)
-    merged = np.bincount(pair.ravel(), weights=weight)
-    return np.array([merged.sum(), (merged**2).sum()])
+    network = link_loads(topology, src, dst, 1.0, 1.0 - nvlink)[1] > 0
+    loads, streams = [], []
+    for on in (~network, network):
+        _, pair = np.unique(src[on] * topology.n_nodes + dst[on], return_inverse=True)
+        merged = np.bincount(pair.ravel(), weights=weight[on])
+        load = link_loads(topology, src[on], dst[on], weight[on])[0] if on.any() else 0.0
+        loads.append(np.zeros(topology.n_links) + load)
+        streams.append([merged.sum(), (merged**2).sum()])
+    return np.stack(loads), np.array(streams)
 
 
 def _slot(topology, tiers, reference, nvlink, groups, name, links):
-    """``([tiers] load, [2] latency, [links] load, [2] streams)`` of one slot over ``groups``
-    (``_streams``, only for per-link tables, ``links``; zeros and ``INVALID_LATENCY_S`` where
-    it cannot run)."""
+    """``([tiers] load, [2] latency, [classes, links] load, [classes, 2] streams)`` of one
+    slot over ``groups`` (the last two per stream class, ``_stream_classes``, only for
+    per-link tables, ``links``; zeros and ``INVALID_LATENCY_S`` where it cannot run)."""
     phases = _PHASES[name](topology, groups)
     load = np.zeros(topology.n_links)
+    classes = np.zeros((len(STREAM_CLASSES), topology.n_links))
+    streams = np.zeros((len(STREAM_CLASSES), 2))
     if phases is None:
-        return np.zeros(len(TIERS)), np.array([INVALID_LATENCY_S, 0.0]), load, np.zeros(2)
+        return np.zeros(len(TIERS)), np.array([INVALID_LATENCY_S, 0.0]), classes, streams
     latency = np.zeros(2)
     parts = np.stack([topology.latency_s * nvlink, topology.latency_s * (1.0 - nvlink)])
     for src, dst, weight, latency_steps in phases:
@@ -235,7 +251,9 @@ def _slot(topology, tiers, reference, nvlink, groups, name, links):
     scaled = load * reference[tiers] / topology.capacity_Bps
     per_tier = np.zeros(len(TIERS))
     np.maximum.at(per_tier, tiers, scaled)
-    return per_tier, latency, load, _streams(topology, phases) if links else np.zeros(2)
+    if links:
+        classes, streams = _stream_classes(topology, phases, nvlink)
+    return per_tier, latency, classes, streams
 
 
 def _build(topology: Topology, n_gpus: int, links: bool) -> NetworkTables:
@@ -248,8 +266,9 @@ def _build(topology: Topology, n_gpus: int, links: bool) -> NetworkTables:
     g = len(grid)
     load = np.zeros((g * g, len(SLOTS), len(TIERS)))
     latency = np.zeros((g * g, len(SLOTS), 2))
-    link_load = np.zeros((g * g, len(SLOTS), graph.n_links)) if links else None
-    stream = np.zeros((g * g, len(SLOTS), 2))
+    shape = (g * g, len(SLOTS), len(STREAM_CLASSES))
+    link_load = np.zeros((*shape, graph.n_links)) if links else None
+    stream = np.zeros((*shape, 2))
     for i, size in enumerate(grid):
         for j, stride in enumerate(grid):
             if size < 2 or n_gpus % (size * stride):
@@ -276,10 +295,10 @@ def _build(topology: Topology, n_gpus: int, links: bool) -> NetworkTables:
 
 def _link_fields(graph, tiers, reference, present, link_load, stream) -> dict:
     """``NetworkTables``' per-link fields, on the links some slot loads."""
-    used = np.flatnonzero(link_load.max(axis=(0, 1)) > 0)
+    used = np.flatnonzero(link_load.max(axis=(0, 1, 2)) > 0)
     onehot = (tiers[used][:, None] == present[None, :]).astype(float)
     return {
-        "link_load": jnp.asarray(link_load[:, :, used]),
+        "link_load": jnp.asarray(link_load[..., used]),
         "link_stream": jnp.asarray(stream),
         "link_tier": jnp.asarray(onehot),
         "link_scale": jnp.asarray(graph.capacity_Bps[used] / reference[tiers[used]]),
