@@ -175,8 +175,8 @@ def test_cli_json_and_table(capsys):
     params, _ = api.params_for(exp)  # what predict uses (calibrated profile or defaults)
     params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float64), params)
     assert d["iteration_s"] == pytest.approx(np.exp(_log_time(exp, params)), rel=1e-9)
-    assert cli.main(["explain", GPT1B, "cluster.gpu.memory_GiB=2", "--top", "3"]) == 0
-    out = capsys.readouterr().out
+    assert cli.main(["explain", GPT1B, "cluster.gpu.memory_GiB=2", "--top", "5"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the title wraps with the table's width
     assert "peak FLOP/s" in out and "→" in out and "OUT OF MEMORY" in out
 
 
