@@ -69,9 +69,8 @@ predict_log = jax.jit(F.predict_log, static_argnums=3)
 def row_jacobians(problem: F.Problem, tables, temperature: float) -> dict:
     """Per level, ``(J_dev [rows, device entries], J_clu [rows, cluster entries])``: the
     derivative of each row's log prediction w.r.t. the scalar constants of its own family and
-    cluster rows, by central differences of the float64 forward model (standard dtype
-    promotion, as ``F.fit``: the model mixes integer widths)."""
-    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+    cluster rows, by central differences of the float64 forward model."""
+    with jax.enable_x64(True):
         data = jax.tree_util.tree_map(_float64, problem.data)
         dev, clu = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
         out = {level: ([], []) for level in data}

@@ -165,10 +165,8 @@ def refit(
     """
     if "e2e" not in problem.data or (rows is not None and len(rows) == 0):
         raise ValueError("a few-shot refit needs at least one end-to-end run")
-    # the model mixes integer widths (as ``F.fit``): standard promotion while refitting
-    with jax.numpy_dtype_promotion("standard"):
-        strengths = strengths_for(noise_sd) if strengths is None else strengths
-        return _refit(problem, tables, rows, temperature, strengths, steps)
+    strengths = strengths_for(noise_sd) if strengths is None else strengths
+    return _refit(problem, tables, rows, temperature, strengths, steps)
 
 
 def _refit(problem, tables, rows, temperature, strengths, steps) -> Refit:
@@ -226,10 +224,9 @@ def fit_with_runs(
         tables, losses = first.tables, first.losses
         seconds, converged = first.seconds, first.converged
     done = refit(problem, tables, temperature=cfg.temperature, noise_sd=noise_sd)
-    with jax.numpy_dtype_promotion("standard"):
-        logs = posterior.predict_log(*done.tables, problem.data, cfg.temperature)
-        initial = posterior.predict_log(
-            *F.initial_tables(problem, start=start), problem.data, cfg.temperature
-        )
+    logs = posterior.predict_log(*done.tables, problem.data, cfg.temperature)
+    initial = posterior.predict_log(
+        *F.initial_tables(problem, start=start), problem.data, cfg.temperature
+    )
     result = F.result_from_tables(problem, done.tables, logs, initial, losses, seconds, converged)
     return result, done

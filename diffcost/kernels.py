@@ -171,7 +171,7 @@ def layer_and_head_log_effs(table, low, m, n, k, head, base=None):
         jnp.concatenate([m, head_m, m]),
         jnp.concatenate([n, head_n, n]),
         jnp.concatenate([k, head_k, k]),
-        row=base + rows,
+        row=jnp.asarray(base).astype(jnp.int32) + rows,
     )
     return tuple(jnp.append(e[:count] + low * (e[count + 1 :] - e[:count]), e[count]) for e in effs)
 

@@ -3,7 +3,6 @@ maximum a posteriori estimate around them, its strength chosen by leave-one-out 
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 from helpers import GPT, LLAMA, PLANS
@@ -50,8 +49,7 @@ def _problem_with_truth(n: int = 6):
 
 
 def _predict(tables, problem):
-    with jax.numpy_dtype_promotion("standard"):  # the model mixes integer widths
-        return posterior.predict_log(*tables, problem.data, 1e-3)["e2e"]
+    return posterior.predict_log(*tables, problem.data, 1e-3)["e2e"]
 
 
 def _prior_distance(start, tables, problem) -> float:

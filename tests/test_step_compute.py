@@ -3,7 +3,6 @@ kernel's, read by end-to-end predictions only, and what a GPU family without run
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,8 +56,7 @@ def test_a_family_without_runs_takes_the_mean_of_the_families_with_runs():
     np.testing.assert_allclose(np.asarray(filled["step_compute_log"])[others], values[others],
                                rtol=1e-6)  # fmt: skip
     result = fit_mod.FitResult({}, {}, {}, [], 0, 0.0, True, {}, {}, tables=(dev, clu))
-    with jax.numpy_dtype_promotion("standard"):
-        shipped = command.with_population(result, problem, with_runs, TEMPERATURE)
+    shipped = command.with_population(result, problem, with_runs, TEMPERATURE)
     # every family of the problem has runs here: the shipped device values keep their own
     name = problem.families[lone]
     assert shipped.device_values[name]["step_compute"] == pytest.approx(np.exp(values[lone]))
