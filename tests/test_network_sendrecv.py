@@ -95,3 +95,38 @@ def test_fit_recovers_a_device_constant_per_cluster():
         assert fitted[name]["nvls_ratio"] == pytest.approx(r, rel=0.02)
     with pytest.raises(ValueError, match="not device constants"):
         SwitchFit([], names=(), cluster_device=("nvlink_eff",))
+
+
+def _latency_s(n, msg, params, xla=True):
+    """The pairwise sends' latency part: the time with path latencies less without them."""
+    args = (n, msg, xla, params)
+    return _a2a_s(switch_domain(n, LinkSpec(100e9, 1e-6)), *args) - _a2a_s(
+        switch_domain(n, LinkSpec(100e9, 0.0)), *args
+    )
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_peers_in_flight_divide_the_latencies_below_the_step_only(small):
+    """Each peer's send on few channels (far below ``sendrecv_peer_bytes``): the ``n - 1``
+    path latencies are paid ``sendrecv_concurrency`` at a time; on all its channels (far
+    above): one after another, as without ``xla``."""
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(1e12 if small else 1.0),
+        sendrecv_concurrency_log=jnp.log(5.0),
+    )
+    n, msg = 8, 64 * MiB
+    serial = _latency_s(n, msg, params, xla=False)
+    assert serial == pytest.approx((n - 1) * 2 * 1e-6, rel=1e-6)  # GPU-switch-GPU per peer
+    expected = serial / 5.0 if small else serial
+    assert _latency_s(n, msg, params) == pytest.approx(expected, rel=1e-6)
+    flight = float(sendrecv.peers_in_flight(params, msg, n))
+    assert flight == pytest.approx(5.0 if small else 1.0, rel=1e-6)
+
+
+def test_concurrency_gradient_is_finite_and_shortens_small_sends():
+    topo = switch_domain(64, LinkSpec(900e9, 1e-6))
+    pricing = cost.collective_pricing(topo, "all_to_all", 64, xla=True)
+    grad = jax.grad(lambda p: cost.collective_time_s(pricing, 4 * MiB, topo.capacity_Bps, p))
+    g = grad(default_params(jnp.float64))  # 64 KiB per peer: below the default step
+    assert float(g.sendrecv_concurrency_log) < 0.0  # more peers at once: faster
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g))

@@ -13,6 +13,19 @@ algorithm bandwidth stays at 80-150 GB/s while ``msg / n`` is at most 0.5 MiB an
 the bandwidth well below ``sendrecv_peer_bytes``, all of it well above, over
 ``STEP_WIDTH`` (natural log) either side. The form was chosen from those rows; the two
 constants are fitted per GPU family (``calibration.network_fit``).
+
+``peers_in_flight`` is how many peers' sends run at once. NCCL runs the sends and receives of a
+group (an all-to-all: ``ncclGroupStart``, one ``ncclSend`` and one ``ncclRecv`` per peer,
+``ncclGroupEnd``) as one kernel whose p2p channels each work on several peers' operations at
+once; the peers it targets concurrently are its p2p channels over the channels each peer's
+operation takes, times the operations a channel's work batch holds (``src/enqueue.cc``,
+``addP2pToPlan``, ``NCCL_MAX_DEV_WORK_P2P_PER_BATCH``). So the ``n - 1`` path latencies of the
+pairwise sends are paid ``sendrecv_concurrency`` at a time while each peer's send takes few
+channels, and one after another once each takes all of them: ``c ** (1 - step)``, the same step
+in the bytes per peer as ``peer_share``. The form was chosen after looking at XLA's NVL72
+all-to-all rows it is fitted on: at 1 MiB the time does not grow from 8 to 32 GPUs (18-21 us,
+where ``n - 1`` latencies in series gave 33-64 us), and above the step the time over a buffer's
+bandwidth grows by about 0.65 us per peer (27 us over 8 GPUs, 64 us over 64).
 """
 
 from __future__ import annotations
@@ -23,11 +36,24 @@ import jax.numpy as jnp
 STEP_WIDTH = 0.25  # e-folds of per-peer size over which the step turns (a factor ~1.3)
 
 
+def _all_channels(params, msg_bytes, group_size):
+    """The step: ~0 well below ``sendrecv_peer_bytes`` per peer (few channels each), ~1 well
+    above (each peer's send on all its channels), a logistic in ``log(msg / group_size)``."""
+    peer = jnp.maximum(msg_bytes / group_size, 1.0)
+    return jax.nn.sigmoid((jnp.log(peer) - params.sendrecv_peer_log_bytes) / STEP_WIDTH)
+
+
 def peer_share(params, msg_bytes, group_size):
     """Share of the links' bandwidth grouped sends reach with ``msg_bytes / group_size`` bytes
     per peer: ``s + (1 - s) * sigmoid(log(peer / sendrecv_peer_bytes) / STEP_WIDTH)``,
     ``s = sendrecv_small_share``."""
-    peer = jnp.maximum(msg_bytes / group_size, 1.0)
-    full = jax.nn.sigmoid((jnp.log(peer) - params.sendrecv_peer_log_bytes) / STEP_WIDTH)
     small = params.sendrecv_small_share
-    return small + (1.0 - small) * full
+    return small + (1.0 - small) * _all_channels(params, msg_bytes, group_size)
+
+
+def peers_in_flight(params, msg_bytes, group_size):
+    """Peers whose sends run at once, ``sendrecv_concurrency ** (1 - step)``: all of
+    ``sendrecv_concurrency`` while each peer's send takes few channels, one once each takes
+    all (the step of ``peer_share``). The pairwise sends' ``n - 1`` path latencies are divided
+    by it."""
+    return params.sendrecv_concurrency ** (1.0 - _all_channels(params, msg_bytes, group_size))
