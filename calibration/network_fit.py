@@ -46,6 +46,7 @@ GRAPH_CONSTANTS = (
     "sendrecv_half_bw_bytes",
     "sendrecv_peer_bytes",
     "sendrecv_small_share",
+    "sendrecv_peer_max_share",
     "sendrecv_concurrency",
     *PROTOCOL_CONSTANTS,
 )

@@ -123,10 +123,39 @@ def test_peers_in_flight_divide_the_latencies_below_the_step_only(small):
     assert flight == pytest.approx(5.0 if small else 1.0, rel=1e-6)
 
 
-def test_concurrency_gradient_is_finite_and_shortens_small_sends():
+def test_concurrency_and_peer_share_gradients_are_finite_and_shorten():
     topo = switch_domain(64, LinkSpec(900e9, 1e-6))
     pricing = cost.collective_pricing(topo, "all_to_all", 64, xla=True)
     grad = jax.grad(lambda p: cost.collective_time_s(pricing, 4 * MiB, topo.capacity_Bps, p))
     g = grad(default_params(jnp.float64))  # 64 KiB per peer: below the default step
     assert float(g.sendrecv_concurrency_log) < 0.0  # more peers at once: faster
-    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g))
+    two = cost.collective_pricing(topo, "all_to_all", 2, xla=True)
+    g2 = jax.grad(lambda p: cost.collective_time_s(two, 64 * MiB, topo.capacity_Bps, p))(
+        default_params(jnp.float64)
+    )
+    assert float(g2.sendrecv_peer_max_share_logit) < 0.0  # one peer at a larger share: faster
+    leaves = jax.tree_util.tree_leaves((g, g2))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in leaves)
+
+
+@pytest.mark.parametrize(("n", "expected"), [(2, 0.3), (3, 0.6), (8, 1.0)])
+def test_sends_to_few_peers_reach_their_share_of_the_bandwidth(n, expected):
+    """``n - 1`` peers' sends at once reach ``min(1, (n - 1) * sendrecv_peer_max_share)`` of
+    the links' bandwidth (each peer's share far above ``sendrecv_peer_bytes``: all its
+    channels)."""
+    topo = switch_domain(n, LinkSpec(100e9, 0.0))
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(1.0),
+        sendrecv_peer_max_share_logit=jnp.log(0.3 / 0.7),
+        sendrecv_half_bw_log_bytes=jnp.log(3 * MiB),
+    )
+    eff = float(params.nvlink_eff) * expected
+    plain = params.replace(
+        nvlink_eff_logit=jnp.log(eff / (1.0 - eff)),
+        half_bw_log_bytes=params.sendrecv_half_bw_log_bytes,
+    )
+    msg = 64 * MiB
+    assert _a2a_s(topo, n, msg, True, params) == pytest.approx(
+        _a2a_s(topo, n, msg, False, plain), rel=1e-9
+    )
+    assert float(sendrecv.peer_share(params, msg, n, 0.0)) == pytest.approx(expected, rel=1e-9)

@@ -558,7 +558,7 @@ def collective_time_s(
         late = 0.0
         if name in SENDRECV_ALGORITHMS:  # XLA's: own curve, channels by size, concurrent peers
             late = pricing.xla * (params.sendrecv_half_bw_bytes - params.half_bw_bytes)
-            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size)
+            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size, temperature)
             capacity = capacity * (1.0 + pricing.xla * (share - 1.0))
             flight = sendrecv.peers_in_flight(params, msg_bytes, pricing.group_size)
             latency = latency * (1.0 + pricing.xla * (1.0 / flight - 1.0))

@@ -12,7 +12,12 @@ algorithm bandwidth stays at 80-150 GB/s while ``msg / n`` is at most 0.5 MiB an
 ``peer_share`` prices it as a logistic step in ``log(msg / n)``: ``sendrecv_small_share`` of
 the bandwidth well below ``sendrecv_peer_bytes``, all of it well above, over
 ``STEP_WIDTH`` (natural log) either side. The form was chosen from those rows; the two
-constants are fitted per GPU family (``calibration.network_fit``).
+constants are fitted per GPU family (``calibration.network_fit``). One peer's send takes at most
+NCCL's channels per peer (``p2pnChannelsPerPeer``: ``nChannelsMax`` in
+``scheduleP2pTasksToPlan``) of its p2p channels, so the sends to few peers at once use fewer
+channels than to many: the share is also capped at ``(n - 1) * sendrecv_peer_max_share``. That
+was chosen after looking at XLA's all-to-all over 2 GPUs: at 2 GiB 424 GB/s of bus bandwidth on
+B200 where 8 GPUs reach 588 (H100: 321 and 340), which no one efficiency per link gives.
 
 ``peers_in_flight`` is how many peers' sends run at once. NCCL runs the sends and receives of a
 group (an all-to-all: ``ncclGroupStart``, one ``ncclSend`` and one ``ncclRecv`` per peer,
@@ -33,6 +38,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from diffcost import smooth
+
 STEP_WIDTH = 0.25  # e-folds of per-peer size over which the step turns (a factor ~1.3)
 
 
@@ -43,12 +50,15 @@ def _all_channels(params, msg_bytes, group_size):
     return jax.nn.sigmoid((jnp.log(peer) - params.sendrecv_peer_log_bytes) / STEP_WIDTH)
 
 
-def peer_share(params, msg_bytes, group_size):
+def peer_share(params, msg_bytes, group_size, temperature=smooth.DEFAULT_TEMPERATURE):
     """Share of the links' bandwidth grouped sends reach with ``msg_bytes / group_size`` bytes
     per peer: ``s + (1 - s) * sigmoid(log(peer / sendrecv_peer_bytes) / STEP_WIDTH)``,
-    ``s = sendrecv_small_share``."""
+    ``s = sendrecv_small_share``, times ``smin(1, (group_size - 1) * sendrecv_peer_max_share)``
+    (the channels the ``n - 1`` peers' sends take at once; ``temperature`` its softness)."""
     small = params.sendrecv_small_share
-    return small + (1.0 - small) * _all_channels(params, msg_bytes, group_size)
+    share = small + (1.0 - small) * _all_channels(params, msg_bytes, group_size)
+    peers = (group_size - 1.0) * params.sendrecv_peer_max_share
+    return share * smooth.smin2(1.0, peers, temperature)
 
 
 def peers_in_flight(params, msg_bytes, group_size):
