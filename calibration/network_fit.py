@@ -33,18 +33,21 @@ PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes")
 # refits it.
 PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes",)
 # What ``benchmarks/topology_collectives.py`` fits: per GPU family the XLA tables' chunk pass,
-# send/recv curve and channels (``diffcost.network.sendrecv``) and LL128 protocol; per cluster
-# its NVLink efficiency (the profiles' value was fitted by ``diffcost.comm``, whose one ring
-# bandwidth per cluster absorbs the chunk pass) and, as device constants fitted per cluster
-# (``SwitchFit(cluster_device=)``), the switch constants: NVLS's efficiency over the ring's and
-# its fixed cost per call are set by the software that runs it (NCCL's version, the runtime
-# launching it: nccl-tests on a DGX against XLA's programs) as much as by the switch.
+# send/recv curve, channels and peers in flight (``diffcost.network.sendrecv``) and LL128
+# protocol; per cluster its NVLink efficiency (the profiles' value was fitted by
+# ``diffcost.comm``, whose one ring bandwidth per cluster absorbs the chunk pass) and, as device
+# constants fitted per cluster (``SwitchFit(cluster_device=)``), the switch constants: NVLS's
+# efficiency over the ring's and its fixed cost per call are set by the software that runs it
+# (NCCL's version, the runtime launching it: nccl-tests on a DGX against XLA's programs) as much
+# as by the switch.
 GRAPH_CONSTANTS = (
     "chunk_pass_Bps",
     "chunk_reduce_Bps",
     "sendrecv_half_bw_bytes",
     "sendrecv_peer_bytes",
     "sendrecv_small_share",
+    "sendrecv_peer_max_share",
+    "sendrecv_concurrency",
     *PROTOCOL_CONSTANTS,
 )
 GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)

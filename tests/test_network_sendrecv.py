@@ -95,3 +95,67 @@ def test_fit_recovers_a_device_constant_per_cluster():
         assert fitted[name]["nvls_ratio"] == pytest.approx(r, rel=0.02)
     with pytest.raises(ValueError, match="not device constants"):
         SwitchFit([], names=(), cluster_device=("nvlink_eff",))
+
+
+def _latency_s(n, msg, params, xla=True):
+    """The pairwise sends' latency part: the time with path latencies less without them."""
+    args = (n, msg, xla, params)
+    return _a2a_s(switch_domain(n, LinkSpec(100e9, 1e-6)), *args) - _a2a_s(
+        switch_domain(n, LinkSpec(100e9, 0.0)), *args
+    )
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_peers_in_flight_divide_the_latencies_below_the_step_only(small):
+    """Each peer's send on few channels (far below ``sendrecv_peer_bytes``): the ``n - 1``
+    path latencies are paid ``sendrecv_concurrency`` at a time; on all its channels (far
+    above): one after another, as without ``xla``."""
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(1e12 if small else 1.0),
+        sendrecv_concurrency_log=jnp.log(5.0),
+    )
+    n, msg = 8, 64 * MiB
+    serial = _latency_s(n, msg, params, xla=False)
+    assert serial == pytest.approx((n - 1) * 2 * 1e-6, rel=1e-6)  # GPU-switch-GPU per peer
+    expected = serial / 5.0 if small else serial
+    assert _latency_s(n, msg, params) == pytest.approx(expected, rel=1e-6)
+    flight = float(sendrecv.peers_in_flight(params, msg, n))
+    assert flight == pytest.approx(5.0 if small else 1.0, rel=1e-6)
+
+
+def test_concurrency_and_peer_share_gradients_are_finite_and_shorten():
+    topo = switch_domain(64, LinkSpec(900e9, 1e-6))
+    pricing = cost.collective_pricing(topo, "all_to_all", 64, xla=True)
+    grad = jax.grad(lambda p: cost.collective_time_s(pricing, 4 * MiB, topo.capacity_Bps, p))
+    g = grad(default_params(jnp.float64))  # 64 KiB per peer: below the default step
+    assert float(g.sendrecv_concurrency_log) < 0.0  # more peers at once: faster
+    two = cost.collective_pricing(topo, "all_to_all", 2, xla=True)
+    g2 = jax.grad(lambda p: cost.collective_time_s(two, 64 * MiB, topo.capacity_Bps, p))(
+        default_params(jnp.float64)
+    )
+    assert float(g2.sendrecv_peer_max_share_logit) < 0.0  # one peer at a larger share: faster
+    leaves = jax.tree_util.tree_leaves((g, g2))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in leaves)
+
+
+@pytest.mark.parametrize(("n", "expected"), [(2, 0.3), (3, 0.6), (8, 1.0)])
+def test_sends_to_few_peers_reach_their_share_of_the_bandwidth(n, expected):
+    """``n - 1`` peers' sends at once reach ``min(1, (n - 1) * sendrecv_peer_max_share)`` of
+    the links' bandwidth (each peer's share far above ``sendrecv_peer_bytes``: all its
+    channels)."""
+    topo = switch_domain(n, LinkSpec(100e9, 0.0))
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(1.0),
+        sendrecv_peer_max_share_logit=jnp.log(0.3 / 0.7),
+        sendrecv_half_bw_log_bytes=jnp.log(3 * MiB),
+    )
+    eff = float(params.nvlink_eff) * expected
+    plain = params.replace(
+        nvlink_eff_logit=jnp.log(eff / (1.0 - eff)),
+        half_bw_log_bytes=params.sendrecv_half_bw_log_bytes,
+    )
+    msg = 64 * MiB
+    assert _a2a_s(topo, n, msg, True, params) == pytest.approx(
+        _a2a_s(topo, n, msg, False, plain), rel=1e-9
+    )
+    assert float(sendrecv.peer_share(params, msg, n, 0.0)) == pytest.approx(expected, rel=1e-9)

@@ -21,8 +21,8 @@ the link capacities and the calibrated ``Params``) prices them:
   also adds a pass over each rank's chunk, ``msg_bytes / n`` at ``chunk_pass_Bps`` (or
   ``chunk_reduce_Bps`` for a reducing collective), to the algorithms that run on the GPUs,
   gives all-to-all's grouped sends and receives their own small-message curve,
-  ``sendrecv_half_bw_bytes``, and runs them on fewer channels when each peer's share is small
-  (``diffcost.network.sendrecv``);
+  ``sendrecv_half_bw_bytes``, runs them on fewer channels when each peer's share is small and
+  then sends to several peers at once, their latencies overlapping (``diffcost.network.sendrecv``);
 * ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
   reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
   receives the result (``nvls_phases``), over its NVLink links at ``nvls_ratio * nvlink_eff``
@@ -556,10 +556,12 @@ def collective_time_s(
     for name, alg in zip(pricing.names, pricing.algorithms):
         capacity, latency = _effective_links(pricing, capacity_Bps, params, name, alg)
         late = 0.0
-        if name in SENDRECV_ALGORITHMS:  # XLA's grouped sends: own curve, channels by size
+        if name in SENDRECV_ALGORITHMS:  # XLA's: own curve, channels by size, concurrent peers
             late = pricing.xla * (params.sendrecv_half_bw_bytes - params.half_bw_bytes)
-            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size)
+            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size, temperature)
             capacity = capacity * (1.0 + pricing.xla * (share - 1.0))
+            flight = sendrecv.peers_in_flight(params, msg_bytes, pricing.group_size)
+            latency = latency * (1.0 + pricing.xla * (1.0 / flight - 1.0))
         args = (alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
         t = _algorithm_s(*args, late)
         if pricing.protocols and name in LL128_ALGORITHMS:
