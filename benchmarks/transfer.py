@@ -2,7 +2,8 @@
 leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
-        [--no-few-shot] [--few-shot own|descent|joint] [--suggest] [--unseen population|defaults]
+        [--no-few-shot] [--few-shot own|descent|joint] [--suggest] [--design runs|mean]
+        [--unseen population|defaults]
         [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
@@ -33,7 +34,9 @@ usually from a cluster, a framework or a scale no measurement covers.
    (``Transfer.refit``).
 
 ``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
-``diffcost suggest``'s design on the zero-shot fit's Laplace posterior against 3 random ones.
+``diffcost suggest``'s design on the zero-shot fit's Laplace posterior (minimising the mean
+predictive variance of the source's runs; ``--design mean``: the variance of their mean log
+time) against 3 random ones.
 ``--fits DIR`` keeps every zero-shot fit in ``DIR`` (``calibration.fit_cache``): a later run
 with the same code, data and settings, e.g. ``--suggest`` after the few-shot run, reads them.
 ``--quick`` fits 60 steps, leaves out the cluster groups and runs one few-shot draw per k: a
@@ -113,6 +116,7 @@ class Transfer:
             steps=30 if args.quick else FEW_SHOT_STEPS, learning_rate=FEW_SHOT_LR, **knobs
         )
         self.few_shot = args.few_shot
+        self.design = args.design
         # ``diffcost calibrate``'s settings (its learning rate, the stack's effect in the
         # cluster's own constants: the offsets the zero-shot fit found stay as they are) for
         # ``FEW_SHOT_STEPS`` steps from the warm start (``calibrate --steps``)
@@ -353,7 +357,9 @@ def few_shot(t: Transfer, name: str, held: np.ndarray, k: int, draws: int) -> di
 
 def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
     """``diffcost suggest``'s design on a held-out source: of its runs, the ``k`` whose
-    measurement most shrinks the variance of the group's mean log time (``greedy_design``),
+    measurement most shrinks the mean predictive variance of the source's runs
+    (``greedy_design`` with every run a target; ``--design mean``: the variance of the
+    source's mean log time, the earlier criterion),
     refitted as ``few_shot`` refits random draws; the error on the source's other runs beside
     the random draws' (``few_shot``). The design's model is ``suggest``'s: each run's Jacobian
     at the zero-shot fit, placed at its own family's and cluster's constants; their covariance
@@ -378,7 +384,8 @@ def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
         [np.zeros((1, used.size)), np.full((1, 1), stack_var)],
     ])  # fmt: skip
     noise = spreads.get("residual", 0.05) ** 2
-    picks = [i for i, _ in greedy_design(jac.mean(0), jac, cov, noise, k)]
+    targets = jac.mean(0) if t.design == "mean" else jac
+    picks = [i for i, _ in greedy_design(targets, jac, cov, noise, k)]
     shot = idx[picks]
     mape = t.refit(held, shot)
     random = few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS)
@@ -568,6 +575,9 @@ def main(argv=None) -> int:
                          "covers them alone)")  # fmt: skip
     ap.add_argument("--suggest", action="store_true",
                     help="few-shot with 3 suggested runs of each source vs 3 random")  # fmt: skip
+    ap.add_argument("--design", choices=("runs", "mean"), default="runs",
+                    help="--suggest: minimise the runs' mean variance, or the variance of "
+                         "their mean log time")  # fmt: skip
     ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
                     help="constants of a held-out cluster no training run names")  # fmt: skip
     ap.add_argument("--device-layer-grid", action="store_true",

@@ -224,3 +224,26 @@ def test_noisier_microbenchmarks_shrink_the_target_less():
     sharp = sg.suggest(exp, params, unc, budget=2, candidates=micro, micro_noise_sd=0.01)
     blunt = sg.suggest(exp, params, unc, budget=2, candidates=micro, micro_noise_sd=0.2)
     assert blunt.suggestions[-1].log_sd_after > sharp.suggestions[-1].log_sd_after
+
+
+def test_several_targets_minimise_their_mean_variance():
+    rng = np.random.default_rng(3)
+    _, cands, cov = _random_problem(m=9, seed=2)
+    targets = rng.normal(size=(5, cands.shape[1]))
+    noise_var = 0.01
+    picks = sg.greedy_design(targets, cands, cov, noise_var, budget=3)
+    idx = [i for i, _ in picks]
+    # each pick's figure is the mean of the targets' variances under the joint posterior
+    for k in range(1, 4):
+        joint = _posterior(cov, cands[idx[:k]], noise_var)
+        mean = np.mean([t @ joint @ t for t in targets])
+        assert picks[k - 1][1] == pytest.approx(mean, rel=1e-7)
+    # the first pick is the candidate of smallest mean variance, found by brute force
+    means = [np.mean([sg.variance_after(t, c, cov, noise_var) for t in targets]) for c in cands]
+    assert idx[0] == int(np.argmin(means))
+    # one target as a row or as a vector: the same design
+    one = sg.greedy_design(targets[0], cands, cov, noise_var, budget=3)
+    assert one == sg.greedy_design(targets[:1], cands, cov, noise_var, budget=3)
+    # the mean variance is not the variance of the mean: here the two pick differently
+    of_mean = sg.greedy_design(targets.mean(0), cands, cov, noise_var, budget=3)
+    assert [i for i, _ in of_mean] != idx
