@@ -162,13 +162,10 @@ def variance_after(target_j, cand_j, cov, noise_var: float) -> float:
     """``J Sigma J^T`` of the target after observing a candidate's log time with noise
     variance ``noise_var``: ``v - (J Sigma j^T)^2 / (j Sigma j^T + noise_var)``. A candidate
     the posterior cannot tell apart from a known value (denominator 0) leaves it as it is."""
-    t, c = np.asarray(target_j, dtype=float), np.asarray(cand_j, dtype=float)
-    cov = np.asarray(cov, dtype=float)
-    v = float(t @ cov @ t)
-    denom = float(c @ cov @ c) + noise_var
-    if denom <= 0.0:
-        return max(v, 0.0)
-    return max(v - float(t @ cov @ c) ** 2 / denom, 0.0)
+    t = np.asarray(target_j, dtype=float).reshape(1, -1)
+    c = np.asarray(cand_j, dtype=float).reshape(1, -1)
+    noise = np.asarray([noise_var], dtype=float)
+    return float(_mean_variances_after(t, c, np.asarray(cov, dtype=float), noise)[0])
 
 
 def condition(cov, cand_j, noise_var: float) -> np.ndarray:
@@ -223,8 +220,9 @@ def greedy_design(
 
 
 def _mean_variances_after(targets, cands, cov, noise) -> np.ndarray:
-    """Per candidate row of ``cands``: the mean over ``targets`` of ``variance_after``'s
-    variance, in one pass (a candidate of zero denominator changes nothing)."""
+    """Per candidate row of ``cands``: the mean over the rows of ``targets`` of their
+    ``J Sigma J^T`` after observing it (``variance_after``), in one pass; a candidate of zero
+    denominator changes nothing."""
     g = targets @ cov  # [targets, n]
     before = float(np.mean(np.einsum("tn,tn->t", g, targets)))
     denom = np.einsum("mn,nk,mk->m", cands, cov, cands) + noise
