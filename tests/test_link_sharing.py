@@ -6,6 +6,8 @@ the bucket; and its gradients with respect to the link capacities."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 jax.config.update("jax_enable_x64", True)
@@ -64,6 +66,7 @@ CASES = {
 }  # fmt: skip
 
 
+@functools.cache  # built once per process: the tests read a job and never change it
 def _job(name, links=True):
     graph, base, overrides = CASES[name]
     topology = graph()
