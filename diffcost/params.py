@@ -137,17 +137,12 @@ class Constant:
 # an all-to-all whose per-peer share ``msg / n`` is small runs on few channels: below
 # ``sendrecv_peer_bytes`` (default 1 MiB, an e-fold wide) the grouped sends run at
 # ``sendrecv_small_share`` of the links' bandwidth (default 0.5, one unit of log odds), a
-# logistic step in ``log(msg / n)`` (``diffcost.network.sendrecv``). NCCL works on several
-# peers' sends at once (src/enqueue.cc ``addP2pToPlan``: its p2p channels over each peer's
-# channels, times the 8 operations of a channel's work batch, NCCL_MAX_DEV_WORK_P2P_PER_BATCH),
-# so below that step the pairwise sends' ``n - 1`` path latencies are paid
-# ``sendrecv_concurrency`` at a time (default 8, one work batch; 1.5 e-folds wide) and above it
-# one after another (``sendrecv.peers_in_flight``). One peer's sends take at most NCCL's channels
-# per peer (``p2pnChannelsPerPeer``, ``nChannelsMax`` in ``scheduleP2pTasksToPlan``) of its p2p
-# channels, so an all-to-all over few peers runs on fewer channels: ``n - 1`` peers at once reach
-# ``min(1, (n - 1) * sendrecv_peer_max_share)`` of the links' bandwidth (default 0.5: two
-# peers fill it; 1.5 units of log odds wide, NCCL's channel counts vary by system). Device
-# constants, read only for XLA's tables.
+# logistic step in ``log(msg / n)`` (``diffcost.network.sendrecv``, which says why, with NCCL's
+# sources, for these and the next two). Below that step the pairwise sends' ``n - 1`` path
+# latencies are paid ``sendrecv_concurrency`` at a time (default 8, one NCCL work batch; 1.5
+# e-folds wide), and ``n - 1`` peers at once reach ``min(1, (n - 1) * sendrecv_peer_max_share)``
+# of the links' bandwidth (default 0.5: two peers fill it; 1.5 units of log odds wide, NCCL's
+# channel counts vary by system). Device constants, read only for XLA's tables.
 # NCCL runs each algorithm under one of its protocols, the fastest by its own tuning model
 # (src/graph/tuning.cc: a latency plus the bytes over the protocol's share of the bus bandwidth).
 # ``diffcost.network.cost``'s ``protocols`` adds LL128 beside Simple: ``ll128_bw_share`` is its
