@@ -37,7 +37,10 @@ target's microbatch, sequence length, context parallelism, ZeRO stage and recomp
 plan rule of ``diffcost.constraints`` satisfied (one that would not fit in memory is dropped
 once predicted); and ``candidate_microbenchmarks``, the target layer's GEMMs, fused attention
 and collectives (``diffcost.microbench``). Each is priced by its predicted time (an iteration
-or a call) times its GPUs. docs/calibration.md, "Which runs to measure", has the figures.
+or a call) times its GPUs. ``suggest`` takes one target or several plans of one model on one
+cluster and stack (the plans a search found, say): their candidates are pooled, and the picks
+minimise the targets' mean variance. docs/calibration.md, "Which runs to measure", has the
+figures.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ NODES = (1, 2)  # nodes a candidate run uses
 MAX_STAGES = 4  # pipeline stages of a slice, at most
 MICROBATCHES_PER_STAGE = 4  # microbatches per iteration of a slice, per pipeline stage
 TIE_TOL = 1e-9  # relative: variances this close count as equal (the cheaper run wins)
+ONE_DESIGN = "several targets must be plans of one model on one cluster and stack"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,10 @@ class Suggestion:
         time_s: its predicted time per iteration (a run) or per call (a microbenchmark).
         gpu_s: its predicted cost, ``time_s`` times its GPU count.
         log_sd_before, log_sd_after: the target's predictive log-space sd before and after
-            measuring it (after the earlier suggestions).
+            measuring it (after the earlier suggestions); with several targets, the root of
+            their mean predictive variance.
+        targets_log_sd_after: each target's predictive log-space sd after it (one entry for
+            one target).
     """
 
     candidate: Candidate
@@ -121,6 +128,7 @@ class Suggestion:
     gpu_s: float
     log_sd_before: float
     log_sd_after: float
+    targets_log_sd_after: tuple[float, ...] = ()
 
     @property
     def width_before_pct(self) -> float:
@@ -136,11 +144,13 @@ class Design:
     """What ``suggest`` returns.
 
     Attributes:
-        target: the experiment asked about.
+        target: the experiment asked about (the first, with several).
         iteration_s: its predicted time per iteration.
         spread: its predictive spread now (``diffcost.uncertainty.Spread``).
         suggestions: the picks, best first.
         n_candidates: how many candidates were priced (valid plans that fit in memory).
+        targets: every target, ``target`` first.
+        targets_iteration_s, targets_spread: theirs, in that order.
     """
 
     target: Experiment
@@ -148,6 +158,9 @@ class Design:
     spread: Spread
     suggestions: tuple[Suggestion, ...]
     n_candidates: int
+    targets: tuple[Experiment, ...] = ()
+    targets_iteration_s: tuple[float, ...] = ()
+    targets_spread: tuple[Spread, ...] = ()
 
 
 def width_pct(log_sd: float, z: float = Z80) -> float:
@@ -250,14 +263,27 @@ def _slice_plan(plan: PlanSpec, tp: int, pp: int, dp: int) -> PlanSpec:
     )
 
 
+def _override_value(value) -> str:
+    """A plan field's value as ``diffcost.config.parse_overrides`` reads it back."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, tuple):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
+
+
 def _overrides(exp: Experiment, cand: Experiment) -> tuple[str, ...]:
-    """The ``key=value`` overrides that turn ``exp`` into ``cand``."""
+    """The ``key=value`` overrides that turn ``exp`` into ``cand`` (same model but its layer
+    count; the plan's tp, pp and dp always, its other fields where they differ)."""
     p, q = exp.plan, cand.plan
     out = [f"gpus={q.n_gpus}", f"model.n_layers={cand.model.n_layers}"]
-    for name in ("tp", "pp", "dp", "cp", "ep", "sequence_parallel", "schedule", "chunks"):
-        value = getattr(q, name)
-        if name in ("tp", "pp", "dp") or value != getattr(p, name):
-            out.append(f"plan.{name}={str(value).lower() if isinstance(value, bool) else value}")
+    for field in dataclasses.fields(q):
+        value = getattr(q, field.name)
+        if field.name in ("tp", "pp", "dp") or value != getattr(p, field.name):
+            if field.name != "global_batch":
+                out.append(f"plan.{field.name}={_override_value(value)}")
     out.append(f"plan.global_batch={q.global_batch}")
     return tuple(out)
 
@@ -342,6 +368,36 @@ def price(
     return kept, np.asarray(jacs).reshape(len(kept), len(SCALAR_NAMES)), np.asarray(times)
 
 
+def mismatch(a: Experiment, b: Experiment) -> str | None:
+    """What keeps ``a`` and ``b`` from being targets of one design (``"cluster"``,
+    ``"model"`` or ``"stack"``: they must be plans of one model on one cluster and stack), or
+    None."""
+    for what in ("cluster", "model", "stack"):
+        if getattr(a, what) != getattr(b, what):
+            return what
+    return None
+
+
+def pooled_candidates(targets: Sequence[Experiment], microbenchmarks: bool = True):
+    """Every target's candidates once (``candidate_runs`` and, with ``microbenchmarks``,
+    ``candidate_microbenchmarks``), each run's overrides turning the first target into it (a
+    later target's run names in its label the plan fields it takes from that target)."""
+    out, seen = [], set()
+    for t in targets:
+        cands = candidate_runs(t) + (candidate_microbenchmarks(t) if microbenchmarks else [])
+        for c in cands:
+            if c.bench is None and t is not targets[0]:
+                overrides = _overrides(targets[0], c.experiment)
+                extra = [o.removeprefix("plan.") for o in overrides if o not in c.overrides]
+                label = ", ".join([c.label, *(o.replace("=", " ") for o in extra)])
+                c = dataclasses.replace(c, label=label, overrides=overrides)
+            key = (c.kind, c.label, c.overrides)
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+    return out
+
+
 def suggest(
     exp: Experiment,
     params: Params,
@@ -353,16 +409,17 @@ def suggest(
     noise_sd: float | None = None,
     micro_noise_sd: float | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
+    others: Sequence[Experiment] = (),
 ) -> Design:
-    """The ``budget`` measurements that shrink ``exp``'s predictive variance most.
+    """The ``budget`` measurements that shrink ``exp``'s predictive variance most (with
+    ``others``, the mean predictive variance of ``exp`` and ``others``).
 
     Args:
         exp: the target (what the user cares about).
         params: the constants (``diffcost.profiles.params_for``).
         unc: their posterior (``diffcost.profiles.uncertainty_for``).
         budget: how many to suggest (fewer when fewer candidates are valid).
-        candidates: what could be measured; None for ``candidate_runs(exp)`` and, with
-            ``microbenchmarks``, ``candidate_microbenchmarks(exp)``.
+        candidates: what could be measured; None for ``pooled_candidates`` of the targets.
         microbenchmarks: whether the default candidates include microbenchmarks.
         stack_seen: whether the target's stack is seen (adds the stack spread when not);
             None for ``unc.stack_seen(exp.stack)``.
@@ -370,44 +427,54 @@ def suggest(
         micro_noise_sd: a microbenchmark's log-space noise (how far the model's kernel or
             collective time is from a measured one at known constants); None for ``noise_sd``.
         temperature: smoothness of the model, as in ``simulate``.
+        others: more targets: other plans of ``exp``'s model on its cluster and stack.
 
     Returns:
         A ``Design``.
 
     Raises:
-        ValueError: ``budget`` below 1, or a noise that is negative or not finite.
+        ValueError: ``budget`` below 1, a noise that is negative or not finite, or ``others``
+            on another cluster, model or stack.
     """
     if budget < 1:
         raise ValueError(f"budget={budget}: must be at least 1")
     for name, value in (("noise_sd", noise_sd), ("micro_noise_sd", micro_noise_sd)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name}={value}: must be a finite number >= 0 (log space)")
+    targets = (exp, *others)
+    for t in others:
+        if (what := mismatch(exp, t)) is not None:
+            raise ValueError(f"others: a target's {what} differs from exp's; " + ONE_DESIGN)
     seen = unc.stack_seen(exp.stack) if stack_seen is None else stack_seen
-    out, target_j = log_time_jacobian(*experiment_arrays(exp), params, temperature)
-    target_j = np.asarray(target_j, dtype=float)
-    now = spread(target_j, unc, seen)
+    priced = [log_time_jacobian(*experiment_arrays(t), params, temperature) for t in targets]
+    target_js = np.stack([np.asarray(j, dtype=float) for _, j in priced])
+    spreads = tuple(spread(j, unc, seen) for j in target_js)
+    now = spreads[0]
     if candidates is None:
-        micro = candidate_microbenchmarks(exp) if microbenchmarks else []
-        candidates = candidate_runs(exp) + micro
-    cands = list(candidates)
-    kept, jacs, times = price(cands, params, temperature)
+        candidates = pooled_candidates(targets, microbenchmarks)
+    kept, jacs, times = price(list(candidates), params, temperature)
     noise = unc.residual_sd if noise_sd is None else noise_sd
     micro = noise if micro_noise_sd is None else micro_noise_sd
     noise_var = np.array([(noise if c.kind == "run" else micro) ** 2 for c in kept])
     gpus = np.array([c.n_gpus for c in kept], dtype=float)
-    # the stack's offset: one more unknown, shared by the target and every run on its stack
+    # the stack's offset: one more unknown, shared by the targets and every run on its stack
     cov = np.zeros((len(SCALAR_NAMES) + 1,) * 2)
     cov[:-1, :-1], cov[-1, -1] = unc.cov, now.stack_sd**2
     on_stack = np.array([[float(c.kind == "run")] for c in kept]).reshape(len(kept), 1)
     jacs = np.hstack([jacs, on_stack])
-    target_j = np.append(target_j, 1.0)
-    picks = greedy_design(target_j, jacs, cov, noise_var, budget, times * gpus) if kept else []
+    target_js = np.hstack([target_js, np.ones((len(targets), 1))])
+    picks = greedy_design(target_js, jacs, cov, noise_var, budget, times * gpus) if kept else []
     fixed = now.residual_sd**2  # no measurement moves it
-    before = now.log_sd
+    before = math.sqrt(np.mean([s.log_sd**2 for s in spreads]))
     suggestions = []
     for i, var in picks:
+        cov = condition(cov, jacs[i], noise_var[i])
+        each = tuple(math.sqrt(float(t @ cov @ t) + fixed) for t in target_js)
         after = math.sqrt(var + fixed)
-        s = Suggestion(kept[i], float(times[i]), float(times[i] * gpus[i]), before, after)
+        s = Suggestion(kept[i], float(times[i]), float(times[i] * gpus[i]), before, after, each)
         suggestions.append(s)
         before = after
-    return Design(exp, float(out.iteration_s), now, tuple(suggestions), len(kept))
+    iteration_s = tuple(float(out.iteration_s) for out, _ in priced)
+    return Design(
+        exp, iteration_s[0], now, tuple(suggestions), len(kept), targets, iteration_s, spreads
+    )

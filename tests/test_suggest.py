@@ -1,7 +1,9 @@
 """Which runs to measure: the variance formula against Bayes' rule, greedy picks that never
 widen the target and never repeat, the preference for the constant the target is most
-sensitive to, the candidate runs (valid, reproducible from their overrides) and the CLI."""
+sensitive to, the candidate runs (valid, reproducible from their overrides), several targets
+as one design, and the CLI."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -177,7 +179,7 @@ def test_candidates_are_valid_slices():
 def test_cli_suggest_json(capsys):
     assert cli.main(["suggest", EXAMPLE, "--budget", "2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert set(d) == {"target", "suggestions", "n_candidates", "noise_sd"}
+    assert set(d) == {"target", "targets", "suggestions", "n_candidates", "noise_sd"}
     assert {s["kind"] for s in d["suggestions"]} <= {"run", "gemm", "attention", "collective"}
     assert d["target"]["iteration_s"] > 0 and len(d["suggestions"]) == 2
     first = d["suggestions"][0]
@@ -247,3 +249,68 @@ def test_several_targets_minimise_their_mean_variance():
     # the mean variance is not the variance of the mean: here the two pick differently
     of_mean = sg.greedy_design(targets.mean(0), cands, cov, noise_var, budget=3)
     assert [i for i, _ in of_mean] != idx
+
+
+def test_several_plans_are_one_design():
+    a = load(EXAMPLE)
+    b = load(EXAMPLE, ["plan.tp=4", "plan.dp=1"])
+    params, unc = _constants(a)
+    micro = sg.candidate_microbenchmarks(a)
+    one = sg.suggest(a, params, unc, budget=2, candidates=micro)
+    # the same plan twice is the one-target design
+    twice = sg.suggest(a, params, unc, budget=2, candidates=micro, others=[a])
+    assert [s.candidate.label for s in twice.suggestions] == [
+        s.candidate.label for s in one.suggestions
+    ]
+    for s, t in zip(one.suggestions, twice.suggestions):
+        assert t.log_sd_after == pytest.approx(s.log_sd_after, rel=1e-9)
+        assert t.targets_log_sd_after == pytest.approx((s.log_sd_after,) * 2, rel=1e-9)
+    # two plans: each target's figures are its own, and the design's the root mean square
+    both = sg.suggest(a, params, unc, budget=2, candidates=micro, others=[b])
+    alone = sg.suggest(b, params, unc, budget=1, candidates=micro)
+    assert both.targets == (a, b) and both.targets_iteration_s[1] == alone.iteration_s
+    assert both.targets_spread[1].log_sd == pytest.approx(alone.spread.log_sd, rel=1e-9)
+    first = both.suggestions[0]
+    assert first.log_sd_before**2 == pytest.approx(
+        (one.spread.log_sd**2 + alone.spread.log_sd**2) / 2, rel=1e-9
+    )
+    for s in both.suggestions:
+        assert s.log_sd_after**2 == pytest.approx(np.mean(np.square(s.targets_log_sd_after)))
+    with pytest.raises(ValueError, match="stack differs"):
+        sg.suggest(a, params, unc, candidates=micro, others=[dataclasses.replace(b, stack="x")])
+
+
+def test_cli_suggest_several_configs(tmp_path, capsys):
+    other = tmp_path / "tp4.yaml"
+    other.write_text(f"base: {EXAMPLE}\nplan:\n  tp: 4\n  dp: 1\n")
+    argv = ["suggest", EXAMPLE, str(other), "plan.microbatch=2", "--budget", "2", "--runs-only"]
+    assert cli.main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [t["config"] for t in d["targets"]] == [EXAMPLE, str(other)]
+    assert d["target"] == d["targets"][0] and d["targets"][1]["n_gpus"] == 8
+    for s in d["suggestions"]:
+        assert len(s["targets_width_after_pct"]) == 2
+        # a printed run is the first target's config with its overrides and the run's
+        run = load(EXAMPLE, merged(["plan.microbatch=2"], s["overrides"]))
+        assert run.plan.n_gpus == s["n_gpus"] and run.plan.microbatch == 2
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "targets' mean width" in out and f"target {other}" in out
+    elsewhere = tmp_path / "h100.yaml"
+    elsewhere.write_text(f"base: {EXAMPLE}\ncluster: dgx-h100\n")
+    assert cli.main(["suggest", EXAMPLE, str(elsewhere)]) == 2
+    assert f"{elsewhere}: its cluster differs" in capsys.readouterr().err
+
+
+def test_pooled_runs_reproduce_from_the_first_target():
+    a = load(EXAMPLE)
+    b = load(EXAMPLE, ["plan.order=[dp,tp,cp,pp]", "plan.microbatch=2"])
+    pooled = sg.pooled_candidates([a, b], microbenchmarks=False)
+    own = sg.candidate_runs(a)
+    assert pooled[: len(own)] == own  # the first target's, as they are
+    later = pooled[len(own) :]
+    assert later and all("order [dp,tp,cp,pp]" in c.label for c in later)
+    for c in later:
+        again = load(EXAMPLE, c.overrides)  # from the first target's config
+        assert again.plan == c.experiment.plan and again.plan.microbatch == 2
+        assert again.model.n_layers == c.experiment.model.n_layers

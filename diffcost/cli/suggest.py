@@ -1,7 +1,9 @@
 """``diffcost suggest``: which short runs to measure to make a target prediction surer.
 
 The ranking is ``diffcost.suggest`` (optimal experimental design on the profile's posterior);
-this module reads the arguments and prints a table or one JSON object.
+this module reads the arguments and prints a table or one JSON object. Several configs (plans
+of one model on one cluster, such as those ``diffcost search --save-plans`` writes) are one
+design for all of them: the picks minimise their mean predictive variance.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import math
 
 from rich.console import Console
+from rich.markup import escape
 
 from diffcost import config as config_mod
 from diffcost import profiles
@@ -18,7 +21,7 @@ from diffcost.api import params_for
 from diffcost.cli import common
 from diffcost.config import ConfigError
 from diffcost.stacks import STACK_NAMES, canonical
-from diffcost.suggest import Design, suggest, width_pct
+from diffcost.suggest import ONE_DESIGN, Design, mismatch, suggest, width_pct
 
 
 def register(subparsers) -> None:
@@ -36,9 +39,17 @@ def register(subparsers) -> None:
         "collectives at their message sizes) by how much measuring them would shrink the "
         "target's predictive variance under the profile's calibration posterior (and, for an "
         "unseen stack, the stack's offset, which only runs on that stack measure), and print "
-        "the best BUDGET of them, picked greedily (each given the earlier ones).",
+        "the best BUDGET of them, picked greedily (each given the earlier ones). Several "
+        "configs (e.g. 'diffcost search --save-plans DIR' then DIR/plan-*.yaml), all of one "
+        "model on one cluster, are targets together: the picks minimise their mean predictive "
+        "variance, and the key=value overrides apply to each.",
     )
-    common.add_experiment_arguments(p)
+    p.add_argument("config", help="experiment YAML (configs/examples/...)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value overrides, e.g. plan.tp=4; more experiment YAMLs (more targets)",
+    )
     p.add_argument("--budget", type=int, default=3, help="how many to suggest (default 3)")
     p.add_argument(
         "--runs-only",
@@ -79,25 +90,32 @@ def design_dict(design: Design, config: str, overrides) -> dict:
         overrides: the target's ``key=value`` overrides.
 
     Returns:
-        ``{"target": {...}, "suggestions": [...], "n_candidates"}`` in plain Python values
-        (``run`` adds ``noise_sd``, a run's noise);
+        ``{"target": {...}, "targets": [{...}, ...], "suggestions": [...], "n_candidates"}``
+        in plain Python values (``run`` adds ``noise_sd``, a run's noise); ``target`` is the
+        first of ``targets`` (one per config);
         a suggestion's ``time_s`` is one iteration of a run or one call of a microbenchmark,
-        ``gpu_s`` that times its GPUs.
+        ``gpu_s`` that times its GPUs, its ``target_width_*_pct`` the targets' mean (the
+        target's, for one) and ``targets_width_after_pct`` each target's.
     """
-    exp, s = design.target, design.spread
-    target = {
-        "config": config,
-        "overrides": list(overrides),
-        "model": exp.model.name,
-        "cluster": exp.cluster.name,
-        "n_gpus": exp.plan.n_gpus,
-        "iteration_s": design.iteration_s,
-        "log_sd": s.log_sd,
-        "posterior_sd": s.posterior_sd,
-        "residual_sd": s.residual_sd,
-        "stack_sd": s.stack_sd,
-        "width_pct": width_pct(s.log_sd),
-    }
+    configs = [config] if isinstance(config, str) else list(config)
+    targets = [
+        {
+            "config": name,
+            "overrides": list(overrides),
+            "model": exp.model.name,
+            "cluster": exp.cluster.name,
+            "n_gpus": exp.plan.n_gpus,
+            "iteration_s": t_s,
+            "log_sd": s.log_sd,
+            "posterior_sd": s.posterior_sd,
+            "residual_sd": s.residual_sd,
+            "stack_sd": s.stack_sd,
+            "width_pct": width_pct(s.log_sd),
+        }
+        for name, exp, t_s, s in zip(
+            configs, design.targets, design.targets_iteration_s, design.targets_spread
+        )
+    ]
     rows = [
         {
             "rank": k + 1,
@@ -109,10 +127,16 @@ def design_dict(design: Design, config: str, overrides) -> dict:
             "gpu_s": g.gpu_s,
             "target_width_before_pct": g.width_before_pct,
             "target_width_after_pct": g.width_after_pct,
+            "targets_width_after_pct": [width_pct(sd) for sd in g.targets_log_sd_after],
         }
         for k, g in enumerate(design.suggestions)
     ]
-    return {"target": target, "suggestions": rows, "n_candidates": design.n_candidates}
+    return {
+        "target": targets[0],
+        "targets": targets,
+        "suggestions": rows,
+        "n_candidates": design.n_candidates,
+    }
 
 
 def merged(base, top) -> list[str]:
@@ -128,30 +152,35 @@ def print_design(d: dict) -> None:
     Args:
         d: a ``design_dict``.
     """
-    t = d["target"]
+    t, targets = d["target"], d["targets"]
     console = Console()
-    console.print(
-        f"target [bold]{t['model']}[/] on [bold]{t['cluster']}[/], {t['n_gpus']} GPUs: "
-        f"{t['iteration_s']:.4g} s, 80% interval {t['width_pct']:.1f}% wide "
-        f"({d['n_candidates']} candidates priced)"
-    )
+    for k, u in enumerate(targets):
+        after = [s["targets_width_after_pct"][k] for s in d["suggestions"]]
+        then = f" -> {after[-1]:.1f}% after all" if after and len(targets) > 1 else ""
+        name = f"target {u['config']}" if len(targets) > 1 else "target"
+        console.print(
+            f"{name} [bold]{u['model']}[/] on [bold]{u['cluster']}[/], {u['n_gpus']} GPUs: "
+            f"{u['iteration_s']:.4g} s, 80% interval {u['width_pct']:.1f}% wide{then}"
+        )
+    console.print(f"{d['n_candidates']} candidates priced")
     rows = [
         (
             str(s["rank"]),
-            s["what"],
+            escape(s["what"]),
             f"{s['time_s']:.3g}",
             f"{s['gpu_s']:.3g}",
             f"{s['target_width_before_pct']:.2f}% -> {s['target_width_after_pct']:.2f}%",
         )
         for s in d["suggestions"]
     ]
-    columns = ("#", "what", "seconds", "GPU-seconds", "target width")
+    width = "target width" if len(targets) == 1 else "targets' mean width"
+    columns = ("#", "what", "seconds", "GPU-seconds", width)
     table = common.make_table("what to measure, best first", columns, rows, right=columns[2:])
     console.print(table)
     for s in d["suggestions"]:
         if s["kind"] == "run":
             line = " ".join([t["config"], *merged(t["overrides"], s["overrides"])])
-            console.print(f"#{s['rank']}: diffcost predict {line}")
+            console.print(f"#{s['rank']}: diffcost predict {escape(line)}", soft_wrap=True)
     if not d["noise_sd"]:
         console.print(
             "warning: the profile gives no residual spread, so every measurement counts as "
@@ -163,6 +192,13 @@ def print_design(d: dict) -> None:
             f"the model's residual spread alone gives a {floor:.1f}% wide interval: "
             "no measurement narrows it below that"
         )
+
+
+def _check_same(configs: list[str], exps: list) -> None:
+    """Refuse targets that are not plans of one model on one cluster and stack."""
+    for name, exp in zip(configs[1:], exps[1:]):
+        if (what := mismatch(exps[0], exp)) is not None:
+            raise ConfigError(f"{name}: its {what} differs from {configs[0]}'s; {ONE_DESIGN}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,16 +218,21 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--noise-sd", args.noise_sd), ("--micro-noise-sd", args.micro_noise_sd)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} {value}: must be a positive number (log space)")
-    exp = config_mod.load_experiment(args.config, args.overrides)
-    stack = canonical(args.stack) or exp.stack
+    configs = [args.config] + [o for o in args.overrides if "=" not in o]
+    overrides = [o for o in args.overrides if "=" in o]
+    exps = [config_mod.load_experiment(c, overrides) for c in configs]
+    stack = canonical(args.stack) or exps[0].stack
     if stack in STACK_NAMES:
-        exp = dataclasses.replace(exp, stack=stack)
+        exps = [dataclasses.replace(e, stack=stack) for e in exps]
+    _check_same(configs, exps)
+    exp = exps[0]
     params, _ = params_for(exp, args.profile)
     unc = profiles.uncertainty_for(exp.cluster, args.profile)
     seen = unc.stack_seen(stack)
     kw = {"noise_sd": args.noise_sd, "micro_noise_sd": args.micro_noise_sd, "stack_seen": seen}
+    kw["others"] = exps[1:]
     design = suggest(exp, params, unc, args.budget, microbenchmarks=not args.runs_only, **kw)
-    d = design_dict(design, args.config, args.overrides)
+    d = design_dict(design, configs, overrides)
     d["noise_sd"] = unc.residual_sd if args.noise_sd is None else args.noise_sd
     if args.json:
         common.print_json(d)
