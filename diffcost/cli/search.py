@@ -11,7 +11,11 @@ and ``--embedding-sharding`` a DLRM's embedding-table sharding (``diffcost.cli.d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
+
+import yaml
 
 from diffcost import api
 from diffcost import search as search_mod
@@ -22,7 +26,7 @@ from diffcost.config import ConfigError
 from diffcost.profiles import params_for
 from diffcost.simulate import STATUS_NAMES
 from diffcost.space import Choice, Space, load_space
-from diffcost.specs import Experiment
+from diffcost.specs import Experiment, PlanSpec
 
 COLUMNS = ("#", "plan", "iteration", "vs best", "compute", "comm", "bubble", "other", "MFU %")
 
@@ -62,6 +66,12 @@ def register(subparsers) -> None:
         help="shard a DLRM's embedding tables (as 'diffcost shard-embeddings')",
     )
     s.add_argument("--trace", metavar="FILE.json", help="with --sbp: write the step's timeline")
+    s.add_argument(
+        "--save-plans",
+        metavar="DIR",
+        help="write each plan found as an experiment YAML, DIR/plan-1.yaml best first, for "
+        "predict, explain or suggest",
+    )
     s.set_defaults(func=run)
 
 
@@ -73,6 +83,60 @@ def _plan_experiment(space: Space, choice: Choice) -> Experiment:
         plan=space.plan_spec(choice),
         source=f"search {space.model.name} on {space.n_gpus} GPUs of {space.cluster.name}",
     )
+
+
+def _reference(name_or_path: str) -> str:
+    """A preset name as it is; a file as its absolute path (the YAML may be written elsewhere)."""
+    path = Path(name_or_path)
+    return str(path.resolve()) if path.is_file() else name_or_path
+
+
+def plan_config(space: Space, choice: Choice, model: str, cluster: str, seq=None) -> dict:
+    """One plan of ``space`` as an experiment YAML mapping (``diffcost.config.load_experiment``
+    reads it back to the same experiment).
+
+    Args:
+        space: the space searched.
+        choice: the plan.
+        model, cluster: the model and cluster as the search was given them (preset names or
+            YAML paths).
+        seq: the sequence length the search set, if any.
+
+    Returns:
+        ``{"description", "gpus", "model", "cluster", "plan"}``; the plan lists tp, pp, dp,
+        microbatch and global_batch and every other field that is not ``PlanSpec``'s default.
+    """
+    plan, default = space.plan_spec(choice), PlanSpec()
+    always = ("tp", "pp", "dp", "microbatch", "global_batch")
+    fields = {}
+    for f in dataclasses.fields(plan):
+        value = getattr(plan, f.name)
+        if f.name in always or value != getattr(default, f.name):
+            fields[f.name] = list(value) if isinstance(value, tuple) else value
+    model_ref = _reference(model)
+    return {
+        "description": f"{choice.label(space)}: found by diffcost search",
+        "gpus": space.n_gpus,
+        "model": {"base": model_ref, "seq_len": seq} if seq else model_ref,
+        "cluster": _reference(cluster),
+        "plan": fields,
+    }
+
+
+def save_plans(args: argparse.Namespace, space: Space, result: search_mod.SearchResult):
+    """Write ``plan_config`` of every plan found to ``args.save_plans``; their paths."""
+    folder = Path(args.save_plans)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--save-plans {folder}: cannot create the folder ({err})") from None
+    paths = []
+    for k, c in enumerate(result.best, 1):
+        path = folder / f"plan-{k}.yaml"
+        tree = plan_config(space, c.choice, args.model, args.cluster, args.seq)
+        path.write_text(yaml.safe_dump(tree, sort_keys=False, default_flow_style=None, width=100))
+        paths.append(str(path))
+    return paths
 
 
 def summary(space: Space, result: search_mod.SearchResult, params, note: str) -> dict:
@@ -224,10 +288,14 @@ def run(args: argparse.Namespace) -> int:
         )
     result = search_mod.search(space, params, args.top, cfg)
     out = summary(space, result, params, note)
+    if args.save_plans:
+        out["saved"] = save_plans(args, space, result)
     if args.json:
         common.print_json(out)
     elif not out["fits"]:
         _print_nothing_fits(space, result.closest)
     else:
         _print_report(space, result, out)
+        if out.get("saved"):
+            print(f"saved {len(out['saved'])} plans: {', '.join(out['saved'])}")
     return 0 if out["fits"] else 1
