@@ -2,7 +2,7 @@
 fitted on the existing path and its held-out rows priced on the graph.
 
     python benchmarks/transfer_network.py [--json] [--quick] [--groups A,B] [--fits DIR]
-        [--data DIR]
+        [--rows CSV] [--data DIR]
 
 ``benchmarks/transfer.py`` leaves one source or one cluster out, fits the constants on every
 other run (``calibration.fit``, the existing path: ``diffcost.comm``'s NVLink ring-share table
@@ -23,13 +23,16 @@ the held-out rows priced on the graph. The network path's own constants that pro
 carry (``diffcost.network``'s module constants) stay at their defaults, as in ``topology_e2e``.
 Per group and path: rows, MAPE, ``bias_pct`` (mean of pred / meas - 1, %, as ``transfer.py``)
 and ``mean_log_err_pct`` (100 x mean log(pred / meas)). ``--quick``: the source groups only,
-fits of 60 steps (``transfer.py --quick``'s fits), a smoke run. A progress line per group goes
-to stderr.
+fits of 60 steps (``transfer.py --quick``'s fits), a smoke run. ``graph_contention_rows``: of
+the rows whose price moved between the existing path and the graph with contention, how many
+came closer to the measurement. ``--rows PATH`` writes every held-out row's predictions. A
+progress line per group goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import sys
@@ -54,6 +57,7 @@ PATHS = ("comm", "graph", "graph_contention")
 # larger relative difference on a row means the rows did not read the fold's constants as
 # transfer.py does, and the group is flagged (``reproduces_transfer``)
 CHECK_RTOL = 1e-5
+MOVED_RTOL = 1e-4  # a row whose price moved by more than this between the paths counts as moved
 NOTE = ("fitted on the existing path, held-out rows priced on the graph; the network path's "
         "own constants at their defaults")  # fmt: skip
 
@@ -136,12 +140,40 @@ def group_result(t: T.Transfer, pricer: GraphPricer, kind: str, name: str, held)
         "max_rel_diff_vs_transfer": float(rel.max()),
         "reproduces_transfer": bool(rel.max() <= CHECK_RTOL),
         **{p: path_metrics(preds[p], meas) for p in PATHS},
+        "graph_contention_rows": moved_rows(preds["comm"], preds["graph_contention"], meas),
         "row_predictions": {
             "row": [t.e2e[i].row for i in idx],
             "measured_s": np.exp(meas).tolist(),
             **{f"{p}_s": np.exp(preds[p]).tolist() for p in PATHS},
         },
     }
+
+
+def moved_rows(before, after, meas) -> dict:
+    """Of the rows whose price moved by more than ``MOVED_RTOL``: how many, how many came
+    closer to the measurement and how many went further (log arrays)."""
+    moved = np.abs(np.expm1(after - before)) > MOVED_RTOL
+    closer = np.abs(after - meas) < np.abs(before - meas)
+    return {
+        "moved": int(moved.sum()),
+        "closer": int((moved & closer).sum()),
+        "further": int((moved & ~closer).sum()),
+    }
+
+
+def write_rows(groups: list, path: Path) -> str:
+    """Every held-out row's measured and predicted seconds on each path, one CSV row per group
+    and row (a row is in its source's group and its cluster's)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["group", "row", "measured_s", *(f"{p}_s" for p in PATHS)])
+        for g in groups:
+            rp = g["row_predictions"]
+            for i, row in enumerate(rp["row"]):
+                cells = [rp[k][i] for k in ("measured_s", *(f"{p}_s" for p in PATHS))]
+                w.writerow([f"{g['kind']}: {g['name']}", row, *(f"{c:.7g}" for c in cells)])
+    return str(path)
 
 
 def summary(groups: list) -> dict:
@@ -178,11 +210,16 @@ def measure(args) -> dict:
               f"{cells}; existing path vs transfer.py {g['max_rel_diff_vs_transfer']:.1e}"
               + ("" if g["reproduces_transfer"] else " DOES NOT REPRODUCE transfer.py"),
               file=sys.stderr, flush=True)  # fmt: skip
+    rows_csv = write_rows(groups, Path(args.rows)) if args.rows else None
+    for g in groups:
+        del g["row_predictions"]
     return {
         "groups": groups,
         "summary": summary(groups),
         "details": {
             "note": NOTE,
+            "rows_csv": rows_csv,
+            "moved_rtol": MOVED_RTOL,
             "quick": t.quick,
             "fit_steps": t.cfg.steps,
             "unseen_cluster": t.unseen,
@@ -214,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fits", default="",
                     help="folder of the zero-shot fits, shared with transfer.py --fits "
                          "(calibration.fit_cache)")  # fmt: skip
+    ap.add_argument("--rows", default="", help="CSV of every held-out row's predictions")
     args = ap.parse_args(argv)
     with fresh_compilation_cache("transfer-network-xla-"):
         result = clean_json(measure(args))
