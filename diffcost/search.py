@@ -281,7 +281,8 @@ descend = fast_compile_jit(_descend, static_argnames=("steps", "lr", "taus", "we
 
 class Evaluator:
     """Exact, cached evaluation of discrete plans: ``sweep.evaluate`` on batches padded to a
-    few bucket sizes (so a search compiles at most one program per bucket)."""
+    few bucket sizes, every plan leaf batched (so a search compiles at most one program per
+    bucket, whichever leaves its batches vary)."""
 
     BUCKETS = (64, 256, 1024, 4096)
 
@@ -297,7 +298,8 @@ class Evaluator:
             part = todo[i : i + big]
             size = next(b for b in self.BUCKETS if b >= len(part))
             padded = part + [part[-1]] * (size - len(part))
-            out = evaluate_plans(self.space, self.space.to_arrays(padded), self.params, chunk=size)
+            plans = self.space.to_arrays(padded)
+            out = evaluate_plans(self.space, plans, self.params, chunk=size, hoist_constants=False)
             for j, c in enumerate(part):
                 self.cache[c] = Candidate(
                     c,

@@ -160,6 +160,7 @@ def evaluate(
     devices: Sequence[jax.Device] | None = None,
     progress: ProgressFn | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
+    hoist_constants: bool = True,
 ) -> Breakdown:
     """Simulate every plan of a batch, in fixed-size chunks sharded over the devices.
 
@@ -175,6 +176,10 @@ def evaluate(
         progress: called as ``progress(done, n)``: with ``done = 0`` once the program is
             compiled, then after each chunk is on the host.
         temperature: relative softness of every max/min (static; 0 is the exact model).
+        hoist_constants: pass the plan leaves that hold one value over the batch once,
+            unbatched (``batch_axes``); False batches every leaf, so that every batch of a
+            space compiles the same program whatever varies in it (``search.Evaluator``'s
+            many small batches). The values are the same either way.
 
     Returns:
         A ``Breakdown`` with numpy leaves of leading dimension ``n`` (``status`` int32).
@@ -192,9 +197,12 @@ def evaluate(
         raise ConfigError(f"plans: every leaf needs the same leading batch axis, got {sizes}")
     (n,) = sizes
     size = chunk_size(n, chunk, len(devices))
-    axes, plans = batch_axes(plans)
-    axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda a: a is None)
+    if hoist_constants:
+        axes, plans = batch_axes(plans)
+        axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda a: a is None)
     leaves, treedef = jax.tree_util.tree_flatten(plans)
+    if not hoist_constants:
+        axes = [0] * len(leaves)
     fn, rows, whole = _sharded_simulate(devices, float(temperature), (treedef, tuple(axes)))
 
     replicate = lambda tree: jax.tree_util.tree_map(  # noqa: E731

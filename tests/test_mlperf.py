@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from helpers import CLUSTER, GPT, PLANS, SHARED_DATA, arrays
@@ -210,6 +211,11 @@ def test_a_gpu_shares_the_family_offset_of_its_parent_die():
     assert list(family) == [0, 0, 1]
 
 
+# one compiled program per set of rows, not an eager trace per call (each compiled hundreds of
+# primitives one by one)
+_predict_log = jax.jit(fit.predict_log)
+
+
 def test_the_fit_recovers_offsets_that_generated_the_times():
     """Rows whose 'measured' times are the model's own at known offsets: the fit on half of
     them removes at least half of the error on every row, held out or not (the priors, two
@@ -225,13 +231,13 @@ def test_the_fit_recovers_offsets_that_generated_the_times():
     truth = np.zeros(rows.n_offsets)
     truth[fit.LEAVES.index("gemm_eff_logit")] = 1.0
     truth[fit.LEAVES.index("host_op_log_s")] = -1.0
-    rows = rows.replace(log_meas=np.asarray(fit.predict_log(rows, truth)))
+    rows = rows.replace(log_meas=np.asarray(_predict_log(rows, truth)))
     settings = fit.FitSettings(steps=150, learning_rate=0.05)
     step = fit.make_step(settings)
     train = np.array([1.0, 1.0, 0.0, 0.0])
     raw = fit.fit_offsets(rows, train, settings, step)
-    resid = np.abs(np.asarray(fit.predict_log(rows, raw)) - np.asarray(rows.log_meas))
-    before = np.abs(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))) - rows.log_meas)
+    resid = np.abs(np.asarray(_predict_log(rows, raw)) - np.asarray(rows.log_meas))
+    before = np.abs(np.asarray(_predict_log(rows, np.zeros(rows.n_offsets))) - rows.log_meas)
     assert before.min() > 0.08  # the offsets matter
     assert resid.max() < 0.5 * before.min()
     assert resid[2:].max() < 1.5 * resid[:2].max()  # held out as good as fitted
@@ -247,7 +253,7 @@ def test_graph_rows_price_each_row_as_its_data_parallel_step():
         for i, (n, b) in enumerate([(8, 16), (64, 4)])
     ]
     rows = GraphRows.of(records)
-    got = np.exp(np.asarray(fit.predict_log(rows, np.zeros(rows.n_offsets))))
+    got = np.exp(np.asarray(_predict_log(rows, np.zeros(rows.n_offsets))))
     n_params = zoo_param_count("small_cnn")
     for r, t in zip(records, got):
         step = data_parallel_step_s(
@@ -262,7 +268,7 @@ def test_graph_rows_price_each_row_as_its_data_parallel_step():
         np.testing.assert_allclose(t, step.iteration_s, rtol=1e-9)
     raw = np.zeros(rows.n_offsets)
     raw[fit.LEAVES.index("mem_eff_logit")] = 1.0
-    assert (np.asarray(fit.predict_log(rows, raw)) < np.log(got)).all()
+    assert (np.asarray(_predict_log(rows, raw)) < np.log(got)).all()
 
 
 def test_retinanet_graph_has_the_same_operators_at_every_batch():
