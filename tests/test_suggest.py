@@ -280,7 +280,8 @@ def test_several_plans_are_one_design():
         sg.suggest(a, params, unc, candidates=micro, others=[dataclasses.replace(b, stack="x")])
 
 
-def test_cli_suggest_several_configs(tmp_path, capsys):
+def test_cli_suggest_several_configs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the table's header on one line, whatever the terminal
     other = tmp_path / "tp4.yaml"
     other.write_text(f"base: {EXAMPLE}\nplan:\n  tp: 4\n  dp: 1\n")
     argv = ["suggest", EXAMPLE, str(other), "plan.microbatch=2", "--budget", "2", "--runs-only"]

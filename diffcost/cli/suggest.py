@@ -159,8 +159,10 @@ def print_design(d: dict) -> None:
         then = f" -> {after[-1]:.1f}% after all" if after and len(targets) > 1 else ""
         name = f"target {u['config']}" if len(targets) > 1 else "target"
         console.print(
-            f"{name} [bold]{u['model']}[/] on [bold]{u['cluster']}[/], {u['n_gpus']} GPUs: "
-            f"{u['iteration_s']:.4g} s, 80% interval {u['width_pct']:.1f}% wide{then}"
+            f"{escape(name)} [bold]{u['model']}[/] on [bold]{u['cluster']}[/], "
+            f"{u['n_gpus']} GPUs: {u['iteration_s']:.4g} s, 80% interval {u['width_pct']:.1f}% "
+            f"wide{then}",
+            soft_wrap=True,
         )
     console.print(f"{d['n_candidates']} candidates priced")
     rows = [
