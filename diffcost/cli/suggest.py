@@ -81,21 +81,22 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def design_dict(design: Design, config: str, overrides) -> dict:
+def design_dict(design: Design, config: str | list[str], overrides) -> dict:
     """The JSON object printed by ``suggest --json``.
 
     Args:
         design: what ``diffcost.suggest.suggest`` returned.
-        config: the target's experiment YAML, as given.
-        overrides: the target's ``key=value`` overrides.
+        config: the target's experiment YAML, as given, or every target's, in order.
+        overrides: the targets' ``key=value`` overrides.
 
     Returns:
         ``{"target": {...}, "targets": [{...}, ...], "suggestions": [...], "n_candidates"}``
         in plain Python values (``run`` adds ``noise_sd``, a run's noise); ``target`` is the
         first of ``targets`` (one per config);
         a suggestion's ``time_s`` is one iteration of a run or one call of a microbenchmark,
-        ``gpu_s`` that times its GPUs, its ``target_width_*_pct`` the targets' mean (the
-        target's, for one) and ``targets_width_after_pct`` each target's.
+        ``gpu_s`` that times its GPUs, its ``target_width_*_pct`` the width of the targets' root
+        mean square log sd (the target's, for one) and ``targets_width_after_pct`` each
+        target's.
     """
     configs = [config] if isinstance(config, str) else list(config)
     targets = [
