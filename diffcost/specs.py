@@ -170,6 +170,15 @@ class PlanSpec:
     def n_microbatches(self) -> float:
         return self.global_batch / (self.dp * self.microbatch)
 
+    def fields_from(self, base: PlanSpec, always: tuple[str, ...] = ()) -> dict:
+        """The fields that differ from ``base``'s, and those named in ``always``, in field
+        order: what a config or its overrides must set to turn ``base`` into this plan."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name in always or getattr(self, f.name) != getattr(base, f.name)
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:

@@ -277,13 +277,11 @@ def _override_value(value) -> str:
 def _overrides(exp: Experiment, cand: Experiment) -> tuple[str, ...]:
     """The ``key=value`` overrides that turn ``exp`` into ``cand`` (same model but its layer
     count; the plan's tp, pp and dp always, its other fields where they differ)."""
-    p, q = exp.plan, cand.plan
+    q = cand.plan
     out = [f"gpus={q.n_gpus}", f"model.n_layers={cand.model.n_layers}"]
-    for field in dataclasses.fields(q):
-        value = getattr(q, field.name)
-        if field.name in ("tp", "pp", "dp") or value != getattr(p, field.name):
-            if field.name != "global_batch":
-                out.append(f"plan.{field.name}={_override_value(value)}")
+    for name, value in q.fields_from(exp.plan, always=("tp", "pp", "dp")).items():
+        if name != "global_batch":
+            out.append(f"plan.{name}={_override_value(value)}")
     out.append(f"plan.global_batch={q.global_batch}")
     return tuple(out)
 

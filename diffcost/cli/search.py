@@ -11,7 +11,6 @@ and ``--embedding-sharding`` a DLRM's embedding-table sharding (``diffcost.cli.d
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -106,13 +105,9 @@ def plan_config(space: Space, choice: Choice, model: str, cluster: str, seq=None
         ``{"description", "gpus", "model", "cluster", "plan"}``; the plan lists tp, pp, dp,
         microbatch and global_batch and every other field that is not ``PlanSpec``'s default.
     """
-    plan, default = space.plan_spec(choice), PlanSpec()
     always = ("tp", "pp", "dp", "microbatch", "global_batch")
-    fields = {}
-    for f in dataclasses.fields(plan):
-        value = getattr(plan, f.name)
-        if f.name in always or value != getattr(default, f.name):
-            fields[f.name] = list(value) if isinstance(value, tuple) else value
+    changed = space.plan_spec(choice).fields_from(PlanSpec(), always)
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()}
     model_ref = _reference(model)
     return {
         "description": f"{choice.label(space)}: found by diffcost search",
