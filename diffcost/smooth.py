@@ -33,15 +33,19 @@ def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPER
         ``x`` reduced along ``axis``.
     """
     x = jnp.asarray(x)
-    exact = jnp.max(x, axis=axis)
     if temperature == 0:
-        return exact
+        return jnp.max(x, axis=axis)
     scale = jnp.mean(jnp.abs(x), axis=axis, keepdims=True)
     # below the smallest normal float the softness would flush to zero: use the exact max
     ok = temperature * scale > jnp.finfo(x.dtype).tiny
     tau = temperature * jnp.where(ok, scale, 1.0)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     out = m + tau * jnp.log(jnp.sum(jnp.exp((x - m) / tau), axis=axis, keepdims=True))
+    # The exact max's gradient divides by the number of entries equal to the max; where the
+    # compiler rounds the max and the comparison differently (seen on XLA CPU at -O0) that
+    # count is 0 and the unused branch's 0/0 poisons the gradient. Its input is therefore
+    # zeroed where the smooth branch is taken (all ties: the count is the axis length).
+    exact = jnp.max(jnp.where(ok, 0.0, x), axis=axis)
     return jnp.where(jnp.squeeze(ok, axis=axis), jnp.squeeze(out, axis=axis), exact)
 
 
