@@ -13,7 +13,11 @@ from diffcost import smooth
 TEMPERATURES = (1e-1, 1e-2, 1e-3, 1e-4)
 GRAD_TOL = 1e-5
 
-values = st.lists(st.floats(0.0, 1e3, allow_nan=False), min_size=1, max_size=8)
+# no subnormals: XLA on the CPU flushes them to zero in some operations and not in others, so
+# two formulas of one value can differ there by the whole (subnormal) value
+values = st.lists(
+    st.floats(0.0, 1e3, allow_nan=False, allow_subnormal=False), min_size=1, max_size=8
+)
 
 
 @given(values)
