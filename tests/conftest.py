@@ -4,13 +4,23 @@ One run's processes (the xdist workers) share a JAX persistent compilation cache
 (``diffcost.cache``, the command line's) in a temporary directory, so that a program one worker
 compiled is not compiled again by another, and the command line run in a test writes no cache
 of its own; the directory is made when the run starts and removed when it ends (nothing is kept
-between runs nor written in the repository or the home folder)."""
+between runs nor written in the repository or the home folder).
+
+XLA compiles on the CPU with ``diffcost.cache.FAST_CPU_COMPILE`` (LLVM's optimizations off, no
+fusion emitters), set in ``XLA_FLAGS`` before JAX starts its backend, so the workers and the
+command lines a test starts inherit it: the suite's time is mostly compiling gradients of
+``simulate``, which these options halve (the library's relaxed descent compiles with them too).
+They change how XLA generates the fused loops, not what they compute: results agree to rounding."""
 
 import os
 import shutil
 import tempfile
 
-import jax
+_FAST_CPU_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+if _FAST_CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_CPU_FLAGS}".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")

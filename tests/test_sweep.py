@@ -71,7 +71,8 @@ def _start_sweep(local_devices: int, chunk: int, out: Path, *cluster) -> subproc
     """A sweep in a fresh interpreter with ``local_devices`` CPU devices (``cluster``: the
     coordinator address, process count and process id of one process among several)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    devices = f"--xla_force_host_platform_device_count={local_devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {devices}".strip()  # conftest's kept
     env["JAX_ENABLE_X64"] = "1"
     env["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
     env["JAX_PLATFORMS"] = "cpu"
