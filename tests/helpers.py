@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -103,3 +104,10 @@ def arrays(model=GPT, plan=None, cluster=CLUSTER, dtype=jnp.float64):
         plan_arrays(plan, dtype),
         cluster_arrays(cluster, dtype),
     )
+
+
+def write(path: Path, text: str) -> Path:
+    """Write ``text``, dedented, to ``path`` (making its folder); return the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path

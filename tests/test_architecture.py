@@ -114,3 +114,9 @@ def test_modules_and_functions_stay_small(module):
             if (n := node.end_lineno - start + 1) > MAX_FUNCTION_LINES:
                 long.append(f"{node.name}: {n} lines")
     assert long == [], module
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("*.py")), ids=lambda p: p.name)
+def test_test_files_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{path.name}: {lines} lines"
