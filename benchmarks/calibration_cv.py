@@ -326,17 +326,24 @@ def defaults_by_source(st: Study) -> dict:
     return by_group(st.src, pred, st.log_meas)
 
 
+def fold_fit(st: Study, f: int) -> tuple:
+    """CV fold ``f``: the fit on the other folds' e2e rows and every collective and GEMM row,
+    and the prediction of the fold's rows; (result, tables, wall s, weights, trained families,
+    trained clusters, held-out row indices, their log predicted seconds)."""
+    train = st.folds != f
+    w = {**st.ones, "e2e": train.astype(float)}
+    res, tabs_f, wall = run_fit(st.P, subset(st.meas, e2e=train), w, st.cfg)
+    fams, clus = trained_keys(st.P, w)
+    held = np.flatnonzero(~train)
+    return res, tabs_f, wall, w, fams, clus, held, st.predict(held, st.P, tabs_f, fams, clus)
+
+
 def grouped_cv(st: Study) -> dict:
     """1. Grouped k-fold CV of the e2e rows; every fold keeps every collective and GEMM row."""
     st.cv_pred = np.full(len(st.e2e), np.nan)
     checks, fold_info, st.fold_fits = [], [], {}
     for f in range(st.run_folds):
-        train = st.folds != f
-        w = {**st.ones, "e2e": train.astype(float)}
-        res, tabs_f, wall = run_fit(st.P, subset(st.meas, e2e=train), w, st.cfg)
-        fams, clus = trained_keys(st.P, w)
-        held = np.flatnonzero(~train)
-        pred = st.predict(held, st.P, tabs_f, fams, clus)
+        res, tabs_f, wall, w, fams, clus, held, pred = fold_fit(st, f)
         st.cv_pred[held] = pred
         in_problem = res.residuals["e2e"][held] + st.log_meas[held]
         checks.append(float(np.max(np.abs(in_problem - pred))))
