@@ -52,10 +52,10 @@ def test_peer_share_is_a_step_in_the_bytes_per_peer():
         sendrecv_balance_log_bytes=jnp.log(1e-12),  # every channel busy at any size
     )
     # the same bytes per peer over 8 and 64 ranks: the same share
-    assert float(sendrecv.peer_share(params, 8 * MiB, 8)) == pytest.approx(
-        float(sendrecv.peer_share(params, 64 * MiB, 64)), rel=1e-12
+    assert float(sendrecv.peer_share(params, 8 * MiB, 8, 0.0)) == pytest.approx(
+        float(sendrecv.peer_share(params, 64 * MiB, 64, 0.0)), rel=1e-12
     )
-    shares = [float(sendrecv.peer_share(params, 64 * MiB * 2.0**k, 64)) for k in range(-3, 4)]
+    shares = [float(sendrecv.peer_share(params, 64 * MiB * 2.0**k, 64, 0.0)) for k in range(-3, 4)]
     assert np.all(np.diff(shares) > 0.0)
     assert shares[0] == pytest.approx(0.2, abs=0.01) and shares[-1] == pytest.approx(1.0, abs=0.01)
     assert shares[3] == pytest.approx(0.6, rel=1e-9)  # halfway at the threshold
@@ -89,6 +89,18 @@ def test_all_to_all_over_a_group_not_a_power_of_two_is_slower_per_peer():
     assert uneven[18] > 1.5 * uneven[16] and uneven[18] > 1.5 * uneven[32]
     even = per_byte[1e-3 * MiB]
     assert even[18] == pytest.approx(even[16], rel=1e-3)
+
+
+def test_channel_cap_has_a_gradient_where_it_does_not_bind():
+    """Over 4 ranks the default cap ``3 * sendrecv_peer_max_share`` exceeds the busy share,
+    yet the fit still sees it (``CAP_SOFTNESS``); at temperature 0 it is the exact minimum."""
+    params = default_params(jnp.float64)
+    msg = 4 * 64 * MiB
+    grad = jax.grad(lambda p: sendrecv.peer_share(p, msg, 4))(params)
+    assert float(grad.sendrecv_peer_max_share_logit) > 0.0  # a larger cap: a larger share
+    exact = sendrecv.peer_share(params, msg, 4, 0.0)
+    soft = [float(sendrecv.peer_share(params, msg, 4, t)) for t in (1e-3, 1e-5, 1e-7)]
+    assert soft[0] < float(exact) and soft[-1] == pytest.approx(float(exact), rel=1e-6)
 
 
 def test_peer_share_gradient_reaches_its_constants():

@@ -55,6 +55,10 @@ import jax.numpy as jnp
 from diffcost import smooth
 
 STEP_WIDTH = 0.25  # e-folds of per-peer size over which the step turns (a factor ~1.3)
+# The channel cap's softness, in units of the caller's temperature (0.1 at the default 1e-3):
+# channels fill the links gradually, and a hard minimum would give its constant no gradient
+# wherever the other term is the smaller one.
+CAP_SOFTNESS = 100.0
 
 
 def _all_channels(params, msg_bytes, group_size):
@@ -69,12 +73,13 @@ def peer_share(params, msg_bytes, group_size, temperature=smooth.DEFAULT_TEMPERA
     per peer: ``s + (1 - s) * sigmoid(log(peer / sendrecv_peer_bytes) / STEP_WIDTH)``,
     ``s = sendrecv_small_share``, times the share of the channels the ``n - 1`` peers' sends
     keep busy, ``smin((n - 1) / channel_rounds, (n - 1) * sendrecv_peer_max_share)``
-    (``temperature`` its softness)."""
+    (``CAP_SOFTNESS * temperature`` its softness)."""
     small = params.sendrecv_small_share
     share = small + (1.0 - small) * _all_channels(params, msg_bytes, group_size)
     peers = group_size - 1.0
     busy = peers / channel_rounds(params, msg_bytes, group_size)
-    return share * smooth.smin2(busy, peers * params.sendrecv_peer_max_share, temperature)
+    cap = peers * params.sendrecv_peer_max_share
+    return share * smooth.smin2(busy, cap, CAP_SOFTNESS * temperature)
 
 
 def _pow2_up(n):
