@@ -48,6 +48,7 @@ GRAPH_CONSTANTS = (
     "sendrecv_small_share",
     "sendrecv_peer_max_share",
     "sendrecv_concurrency",
+    "sendrecv_balance_bytes",
     *PROTOCOL_CONSTANTS,
 )
 GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)

@@ -142,7 +142,11 @@ class Constant:
 # latencies are paid ``sendrecv_concurrency`` at a time (default 8, one NCCL work batch; 1.5
 # e-folds wide), and ``n - 1`` peers at once reach ``min(1, (n - 1) * sendrecv_peer_max_share)``
 # of the links' bandwidth (default 0.5: two peers fill it; 1.5 units of log odds wide, NCCL's
-# channel counts vary by system). Device constants, read only for XLA's tables.
+# channel counts vary by system). The sends of a group whose size is not a power of two leave
+# part of NCCL's channels idle until each peer's send is spread over more of them, which grows
+# with its bytes: ``sendrecv_balance_bytes`` per peer halves the idle share (default 16 MiB,
+# NCCL's largest part per channel within a node; 1.5 e-folds wide; ``sendrecv.channel_rounds``).
+# Device constants, read only for XLA's tables.
 # NCCL runs each algorithm under one of its protocols, the fastest by its own tuning model
 # (src/graph/tuning.cc: a latency plus the bytes over the protocol's share of the bus bandwidth).
 # ``diffcost.network.cost``'s ``protocols`` adds LL128 beside Simple: ``ll128_bw_share`` is its
@@ -278,6 +282,9 @@ CONSTANTS = (
        "share of the links' bandwidth one peer's sends reach (XLA)", "%", 100.0),
     _C("sendrecv_concurrency", "sendrecv_concurrency_log", "log", 8.0, 1.5, "device",
        "grouped sends' peers whose latencies overlap (XLA)", "x"),
+    _C("sendrecv_balance_bytes", "sendrecv_balance_log_bytes", "log", 16.0 * 2**20, 1.5,
+       "device", "grouped sends' per-peer size that fills every channel (XLA)", "MiB",
+       2.0**-20),
     _C("ll128_bw_share", "ll128_bw_share_logit", "logit", 0.92, 0.7, "device",
        "LL128 protocol's share of the links' bandwidth", "%", 100.0),
     _C("ll128_half_bw_bytes", "ll128_half_bw_log_bytes", "log", 2.0**17, 2.0, "device",

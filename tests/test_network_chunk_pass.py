@@ -39,10 +39,13 @@ def test_chunk_pass_adds_the_rank_chunk_at_its_rate(collective, n):
 
 def test_xla_all_to_all_moves_its_small_message_curve_and_nvls_is_unchanged():
     """XLA's all-to-all is the pairwise sends with ``sendrecv_half_bw_bytes`` in place of
-    ``half_bw_bytes`` (each peer's share far above ``sendrecv_peer_bytes``: all its
-    channels, ``test_network_sendrecv``); NVLS (in the switch) pays no chunk pass."""
+    ``half_bw_bytes`` (each peer's share far above ``sendrecv_peer_bytes`` and
+    ``sendrecv_balance_bytes``: all its channels, every channel busy,
+    ``test_network_sendrecv``); NVLS (in the switch) pays no chunk pass."""
     topo = switch_domain(8, LinkSpec(100e9, 1e-6), switch_reduction=True)
-    params = default_params(jnp.float64).replace(sendrecv_peer_log_bytes=jnp.log(1.0))
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(1.0), sendrecv_balance_log_bytes=jnp.log(1e-12)
+    )
     msg = 64 * MiB
     params = params.replace(sendrecv_half_bw_log_bytes=jnp.log(3 * MiB))
     later = params.replace(half_bw_log_bytes=params.sendrecv_half_bw_log_bytes)

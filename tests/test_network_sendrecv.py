@@ -32,6 +32,7 @@ def test_xla_all_to_all_runs_at_the_small_share_below_the_peer_size(small):
         sendrecv_peer_log_bytes=jnp.log(1e12 if small else 1.0),
         sendrecv_small_share_logit=jnp.log(0.3 / 0.7),
         sendrecv_half_bw_log_bytes=jnp.log(3 * MiB),
+        sendrecv_balance_log_bytes=jnp.log(1e-12),  # every channel busy at any size
     )
     eff = float(params.nvlink_eff) * (0.3 if small else 1.0)
     plain = params.replace(
@@ -46,16 +47,60 @@ def test_xla_all_to_all_runs_at_the_small_share_below_the_peer_size(small):
 
 def test_peer_share_is_a_step_in_the_bytes_per_peer():
     params = default_params(jnp.float64).replace(
-        sendrecv_peer_log_bytes=jnp.log(MiB), sendrecv_small_share_logit=jnp.log(0.2 / 0.8)
+        sendrecv_peer_log_bytes=jnp.log(MiB),
+        sendrecv_small_share_logit=jnp.log(0.2 / 0.8),
+        sendrecv_balance_log_bytes=jnp.log(1e-12),  # every channel busy at any size
     )
     # the same bytes per peer over 8 and 64 ranks: the same share
-    assert float(sendrecv.peer_share(params, 8 * MiB, 8)) == pytest.approx(
-        float(sendrecv.peer_share(params, 64 * MiB, 64)), rel=1e-12
+    assert float(sendrecv.peer_share(params, 8 * MiB, 8, 0.0)) == pytest.approx(
+        float(sendrecv.peer_share(params, 64 * MiB, 64, 0.0)), rel=1e-12
     )
-    shares = [float(sendrecv.peer_share(params, 64 * MiB * 2.0**k, 64)) for k in range(-3, 4)]
+    shares = [float(sendrecv.peer_share(params, 64 * MiB * 2.0**k, 64, 0.0)) for k in range(-3, 4)]
     assert np.all(np.diff(shares) > 0.0)
     assert shares[0] == pytest.approx(0.2, abs=0.01) and shares[-1] == pytest.approx(1.0, abs=0.01)
     assert shares[3] == pytest.approx(0.6, rel=1e-9)  # halfway at the threshold
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 18, 36, 64, 72])
+def test_channel_rounds_fall_from_the_next_power_of_two_to_the_peers(n):
+    """Small sends leave ``1 - (n - 1) / pow2_up(n)`` of the channels idle; the idle share
+    shrinks as each peer's bytes grow and vanishes for large ones."""
+    params = default_params(jnp.float64)
+    rounds = [float(sendrecv.channel_rounds(params, n * 2.0**k, n)) for k in range(0, 48, 2)]
+    pow2 = 2 ** int(np.ceil(np.log2(n)))
+    assert rounds[0] == pytest.approx(pow2, rel=1e-6)
+    assert rounds[-1] == pytest.approx(n - 1, rel=1e-6)
+    assert np.all(np.diff(rounds) <= 0.0)
+
+
+def test_all_to_all_over_a_group_not_a_power_of_two_is_slower_per_peer():
+    """With the same bytes per peer and every peer's latency hidden, 18 ranks keep fewer
+    channels busy than 16 or 32 do: their sends take longer per byte sent, and more bytes per
+    peer (``sendrecv_balance_bytes`` smaller) narrow the gap."""
+    topo = switch_domain(32, LinkSpec(100e9, 0.0))
+    params = default_params(jnp.float64)
+    per_byte = {}
+    for balance in (16 * MiB, 1e-3 * MiB):
+        p = params.replace(sendrecv_balance_log_bytes=jnp.log(balance))
+        per_byte[balance] = {
+            n: _a2a_s(topo, n, n * 2 * MiB, True, p) / ((n - 1) * 2 * MiB) for n in (16, 18, 32)
+        }
+    uneven = per_byte[16 * MiB]
+    assert uneven[18] > 1.5 * uneven[16] and uneven[18] > 1.5 * uneven[32]
+    even = per_byte[1e-3 * MiB]
+    assert even[18] == pytest.approx(even[16], rel=1e-3)
+
+
+def test_channel_cap_has_a_gradient_where_it_does_not_bind():
+    """Over 4 ranks the default cap ``3 * sendrecv_peer_max_share`` exceeds the busy share,
+    yet the fit still sees it (``CAP_SOFTNESS``); at temperature 0 it is the exact minimum."""
+    params = default_params(jnp.float64)
+    msg = 4 * 64 * MiB
+    grad = jax.grad(lambda p: sendrecv.peer_share(p, msg, 4))(params)
+    assert float(grad.sendrecv_peer_max_share_logit) > 0.0  # a larger cap: a larger share
+    exact = sendrecv.peer_share(params, msg, 4, 0.0)
+    soft = [float(sendrecv.peer_share(params, msg, 4, t)) for t in (1e-3, 1e-5, 1e-7)]
+    assert soft[0] < float(exact) and soft[-1] == pytest.approx(float(exact), rel=1e-6)
 
 
 def test_peer_share_gradient_reaches_its_constants():
@@ -65,6 +110,7 @@ def test_peer_share_gradient_reaches_its_constants():
     g = grad(default_params(jnp.float64))  # 1 MiB per peer: at the default threshold
     assert float(g.sendrecv_peer_log_bytes) > 0.0  # a larger threshold slows it
     assert float(g.sendrecv_small_share_logit) < 0.0  # a larger share speeds it
+    assert float(g.sendrecv_balance_log_bytes) > 0.0  # channels filled later: slower
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g))
 
 
@@ -141,13 +187,14 @@ def test_concurrency_and_peer_share_gradients_are_finite_and_shorten():
 @pytest.mark.parametrize(("n", "expected"), [(2, 0.3), (3, 0.6), (8, 1.0)])
 def test_sends_to_few_peers_reach_their_share_of_the_bandwidth(n, expected):
     """``n - 1`` peers' sends at once reach ``min(1, (n - 1) * sendrecv_peer_max_share)`` of
-    the links' bandwidth (each peer's share far above ``sendrecv_peer_bytes``: all its
-    channels)."""
+    the links' bandwidth (each peer's share far above ``sendrecv_peer_bytes`` and
+    ``sendrecv_balance_bytes``: all its channels, every channel busy)."""
     topo = switch_domain(n, LinkSpec(100e9, 0.0))
     params = default_params(jnp.float64).replace(
         sendrecv_peer_log_bytes=jnp.log(1.0),
         sendrecv_peer_max_share_logit=jnp.log(0.3 / 0.7),
         sendrecv_half_bw_log_bytes=jnp.log(3 * MiB),
+        sendrecv_balance_log_bytes=jnp.log(1e-12),
     )
     eff = float(params.nvlink_eff) * expected
     plain = params.replace(

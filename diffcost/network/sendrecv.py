@@ -31,6 +31,20 @@ in the bytes per peer as ``peer_share``. The form was chosen after looking at XL
 all-to-all rows it is fitted on: at 1 MiB the time does not grow from 8 to 32 GPUs (18-21 us,
 where ``n - 1`` latencies in series gave 33-64 us), and above the step the time over a buffer's
 bandwidth grows by about 0.65 us per peer (27 us over 8 GPUs, 64 us over 64).
+
+``channel_rounds`` is how evenly the sends fill NCCL's p2p channels. A group of ``n`` ranks
+gives each peer's send the most channels, a power of two, that lets all ``n`` fit the p2p
+channels at once (``scheduleP2pTasksToPlan``: ``nChannelsMin`` halves while ``nChannelsMin *
+nRanks`` exceeds ``p2pnChannels``), so ``n - 1`` peers keep ``(n - 1) / pow2_up(n)`` of the
+channels busy (the busiest channel carries ``pow2_up(n)`` peers' worth against an even
+``n - 1``, for ``n`` up to twice the channel count): all but one share for a power of two, about
+half for 18, 36 or 72 ranks. As each peer's bytes grow NCCL doubles its channels, and the idle
+share falls in proportion: ``n - 1 + (pow2_up(n) - n + 1) / (1 + peer / sendrecv_balance_bytes)``
+(default 16 MiB: NCCL's largest part per channel within a node, 32 p2p chunks of 512 KiB).
+The form was chosen after looking at XLA's NVL72 all-to-all rows: at 0.5 MiB per peer the time
+over 18, 36 and 72 GPUs equals that over 32, 64 and 128 (two 64-GPU rounds), and at
+4-8 MiB per peer they are still 1.2-1.5x slower per byte than 16, 32 and 64 GPUs, at 256 MiB
+1.05x.
 """
 
 from __future__ import annotations
@@ -41,6 +55,10 @@ import jax.numpy as jnp
 from diffcost import smooth
 
 STEP_WIDTH = 0.25  # e-folds of per-peer size over which the step turns (a factor ~1.3)
+# The channel cap's softness, in units of the caller's temperature (0.1 at the default 1e-3):
+# channels fill the links gradually, and a hard minimum would give its constant no gradient
+# wherever the other term is the smaller one.
+CAP_SOFTNESS = 100.0
 
 
 def _all_channels(params, msg_bytes, group_size):
@@ -53,12 +71,33 @@ def _all_channels(params, msg_bytes, group_size):
 def peer_share(params, msg_bytes, group_size, temperature=smooth.DEFAULT_TEMPERATURE):
     """Share of the links' bandwidth grouped sends reach with ``msg_bytes / group_size`` bytes
     per peer: ``s + (1 - s) * sigmoid(log(peer / sendrecv_peer_bytes) / STEP_WIDTH)``,
-    ``s = sendrecv_small_share``, times ``smin(1, (group_size - 1) * sendrecv_peer_max_share)``
-    (the channels the ``n - 1`` peers' sends take at once; ``temperature`` its softness)."""
+    ``s = sendrecv_small_share``, times the share of the channels the ``n - 1`` peers' sends
+    keep busy, ``smin((n - 1) / channel_rounds, (n - 1) * sendrecv_peer_max_share)``
+    (``CAP_SOFTNESS * temperature`` its softness)."""
     small = params.sendrecv_small_share
     share = small + (1.0 - small) * _all_channels(params, msg_bytes, group_size)
-    peers = (group_size - 1.0) * params.sendrecv_peer_max_share
-    return share * smooth.smin2(1.0, peers, temperature)
+    peers = group_size - 1.0
+    busy = peers / channel_rounds(params, msg_bytes, group_size)
+    cap = peers * params.sendrecv_peer_max_share
+    return share * smooth.smin2(busy, cap, CAP_SOFTNESS * temperature)
+
+
+def _pow2_up(n):
+    """The least power of two at least ``n`` (``n`` a static group size, > 0)."""
+    return jnp.exp2(jnp.ceil(jnp.log2(n) - 1e-9))
+
+
+def channel_rounds(params, msg_bytes, group_size):
+    """Peers' sends the busiest channel carries, in units of one peer's send on every channel
+    a group of ``group_size`` gives it: ``pow2_up(n)`` while each peer's send takes its fewest
+    channels (``n - 1`` peers on ``1 / pow2_up(n)`` of the channels each), falling to ``n - 1``
+    as each peer's send takes more channels in proportion to its bytes ``msg / n``:
+    ``n - 1 + (pow2_up(n) - n + 1) / (1 + peer / sendrecv_balance_bytes)``. So
+    ``(n - 1) / channel_rounds`` is the share of the channels busy: ``(n - 1) / n`` for a power
+    of two, about half for 18, 36 or 72 ranks, for small sends."""
+    peer = jnp.maximum(msg_bytes / group_size, 1.0)
+    spread = 1.0 + peer / params.sendrecv_balance_bytes
+    return group_size - 1.0 + (_pow2_up(group_size) - group_size + 1.0) / spread
 
 
 def peers_in_flight(params, msg_bytes, group_size):
