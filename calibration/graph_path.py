@@ -26,7 +26,6 @@ nothing but rounding where a size's log falls an ulp past the grid's end.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +34,6 @@ import numpy as np
 from diffcost.arrays import ClusterArrays, cluster_arrays, stack
 from diffcost.network.attach import FROM_CLUSTER
 from diffcost.network.tables import NetworkTables
-
-if TYPE_CHECKING:  # calibration.fit calls bucketed_log
-    from calibration.fit import Problem
 
 # A row whose grid has at most this many points is padded to it, with the rows of its bucket;
 # the rest to the largest grid. Chosen for the step time (the module's docstring), not accuracy
@@ -80,11 +76,12 @@ def pad_network(tables: NetworkTables, points: int) -> NetworkTables:
     return tables.replace(**padded)
 
 
-def graph_problem(problem: Problem, records, contention: bool = True, dtype=None) -> Problem:
-    """``problem`` with its e2e rows priced on their clusters' graphs: each row's cluster
-    arrays replaced by ``graph_arrays`` of its record (``records``: the problem's e2e records
-    in its order, e.g. the ``Measurements.e2e`` it was built from). Every other array, level
-    and index is the problem's own.
+def graph_problem(problem, records, contention: bool = True, dtype=None):
+    """``problem`` (a ``calibration.fit.Problem``, which this module's ``bucketed_log`` serves)
+    with its e2e rows priced on their clusters' graphs: each row's cluster arrays replaced by
+    ``graph_arrays`` of its record (``records``: the problem's e2e records in its order, e.g.
+    the ``Measurements.e2e`` it was built from). Every other array, level and index is the
+    problem's own.
 
     Where the rows' grids fall in more than one bucket (``GRID_BUCKETS``), the e2e level's
     ``cluster`` is a tuple of stacked arrays, one per bucket, padded to its largest grid
