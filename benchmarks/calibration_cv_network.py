@@ -2,7 +2,7 @@
 fitted on the existing path and its held-out rows priced on the graph.
 
     python benchmarks/calibration_cv_network.py [--json] [--quick] [--folds 0,1] [--rows CSV]
-        [--data DIR]
+        [--data DIR] [--fit-path comm|graph]
 
 ``benchmarks/calibration_cv.py`` (its section 1, ``by_source`` and ``h100``) splits the e2e rows
 into five folds grouped by model shape and stratified by source (``calibration.cv.grouped_folds``),
@@ -21,8 +21,13 @@ and held-out predictor) and prices every held-out row three ways with the fold's
   without contention between concurrent collectives;
 * ``graph_contention``: the same graph with contention.
 
-The fits are not redone on the graph path, and the network path's own constants that profiles
-do not carry stay at their defaults (as in ``topology_e2e.py`` and ``transfer_network.py``).
+The fits run on the existing path unless ``--fit-path graph``: then every fold fit prices its
+e2e rows on their clusters' graphs with contention (``calibration.graph_path``), so that the
+constants adapt to the graph, and ``max_rel_diff_vs_fit`` (per fold) checks that
+``graph_contention`` prices the held-out rows as the fit's own final prediction does (the
+existing path is still checked against ``calibration_cv.py``'s predictor, which prices the
+graph fit's constants on it). The network path's own constants that profiles do not carry
+stay at their defaults (as in ``topology_e2e.py`` and ``transfer_network.py``).
 Per group (each source, the H100 runs as ``calibration_cv.py``'s ``h100``, and all rows) and
 path: rows, MAPE, ``bias_pct`` (mean of pred / meas - 1, %), ``mean_log_err_pct``; ``shift``:
 per graph path, the mean and the largest |pred / pred_comm - 1| in %, and the change of MAPE
@@ -51,20 +56,28 @@ H100 = "h100"  # the group of every run on an H100 (``calibration_cv.py``'s ``h1
 
 def study(args) -> CV.Study:
     """``calibration_cv.py``'s data, fit configuration, full problem, folds and predictor, with
-    its default fit settings (``--quick``: its quick ones)."""
+    its default fit settings (``--quick``: its quick ones); with ``--fit-path graph`` the
+    problem's e2e rows on their clusters' graphs with contention (``graph_path``)."""
     knobs = dict(steps=None, prior_weight=None, huber_delta=None, learning_rate=None, folds=None)
     st = CV.Study(argparse.Namespace(json=True, quick=args.quick, data=args.data, **knobs))
     st.full_problem()
+    if args.fit_path != "comm":
+        t0 = time.perf_counter()
+        st.P = NP.fit_on(st.P, st.e2e, args.fit_path)
+        st.say(f"e2e rows on their graphs in {time.perf_counter() - t0:.0f} s")
     return st
 
 
-def price_fold(st: CV.Study, pricer: NP.GraphPricer, f: int) -> dict:
+def price_fold(st: CV.Study, pricer: NP.GraphPricer, f: int, fit_path: str = "comm") -> dict:
     """CV fold ``f``: ``calibration_cv.fold_fit`` (fit and held-out prediction), then its
     held-out rows on each path with the fold's tables, mapped as ``calibration_cv.py`` maps
-    them (trained families and clusters; defaults for the rest)."""
+    them (trained families and clusters; defaults for the rest). ``max_rel_diff_vs_fit``:
+    how far the path the fit ran on (``NP.FIT_PATHS[fit_path]``) prices the held-out rows from
+    the fit's own final prediction of them."""
     res, tables, wall, _, fams, clus, held, pred_cv = CV.fold_fit(st, f)
     t0 = time.perf_counter()
     preds = pricer([st.e2e[i] for i in held], st.P, tables, fams, clus)
+    in_fit = res.residuals["e2e"][held] + st.log_meas[held]
     return {
         "held": held,
         "cv": pred_cv,
@@ -78,6 +91,7 @@ def price_fold(st: CV.Study, pricer: NP.GraphPricer, f: int) -> dict:
             "fit_wall_s": wall,
             "price_wall_s": time.perf_counter() - t0,
             "max_rel_diff_vs_cv": NP.max_rel_diff(preds["comm"], pred_cv),
+            "max_rel_diff_vs_fit": NP.max_rel_diff(preds[NP.FIT_PATHS[fit_path]], in_fit),
         },
     }
 
@@ -149,7 +163,7 @@ def measure(args) -> dict:
     rows = {p: np.full(len(st.e2e), np.nan) for p in (*NP.PATHS, "cv")}
     fold_info = []
     for f in folds:
-        fold = price_fold(st, pricer, f)
+        fold = price_fold(st, pricer, f, args.fit_path)
         for p in (*NP.PATHS, "cv"):
             rows[p][fold["held"]] = fold[p]
         fold_info.append(fold["info"])
@@ -158,7 +172,8 @@ def measure(args) -> dict:
         st.say(f"fold {f}: {g['rows']} rows, {fold['info']['steps']} steps in "
                f"{fold['info']['fit_wall_s']:.0f} s, priced in {fold['info']['price_wall_s']:.0f}"
                f" s; MAPE (bias) {NP.progress_cells(g)}; existing path vs calibration_cv "
-               f"{g['max_rel_diff_vs_cv']:.1e}"
+               f"{g['max_rel_diff_vs_cv']:.1e}, {NP.FIT_PATHS[args.fit_path]} vs the fit "
+               f"{fold['info']['max_rel_diff_vs_fit']:.1e}"
                + ("" if g["reproduces_cv"] else " DOES NOT REPRODUCE calibration_cv"))  # fmt: skip
     rows_csv = NP.write_rows(csv_rows(st, rows), Path(args.rows)) if args.rows else None
     cfg = st.cfg
@@ -166,7 +181,8 @@ def measure(args) -> dict:
         "groups": groups(st, rows),
         "folds": fold_info,
         "details": {
-            "note": NP.NOTE,
+            "note": NP.FIT_NOTES[args.fit_path],
+            "fit_path": args.fit_path,
             "rows_csv": rows_csv,
             "check_rtol": NP.CHECK_RTOL,
             "moved_rtol": NP.MOVED_RTOL,
@@ -199,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--folds", default="", help="only these comma-separated folds (of 0-4)")
     ap.add_argument("--data", default=str(CV.DATA), help="shared data directory")
     ap.add_argument("--rows", default="", help="CSV of every held-out row's predictions")
+    ap.add_argument("--fit-path", choices=tuple(NP.FIT_PATHS), default="comm",
+                    help="fit the folds on the existing path (comm) or with their e2e rows on "
+                         "the graph with contention (graph)")  # fmt: skip
     args = ap.parse_args(argv)
     result = NP.report(measure, print_tables, args, "calibration-cv-network-xla-")
     return 0 if all(g["reproduces_cv"] for g in result["groups"]) else 1

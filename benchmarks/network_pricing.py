@@ -29,6 +29,7 @@ from cv_report import clean_json, fmt
 from transfer import group_metrics
 
 from calibration import fit as F
+from calibration.graph_path import graph_problem
 from calibration.heldout import fresh_compilation_cache, target_tables
 from diffcost.arrays import cluster_arrays
 from diffcost.cache import fast_compile_jit
@@ -41,6 +42,20 @@ CHECK_RTOL = 1e-5
 MOVED_RTOL = 1e-4  # a row whose price moved by more than this between the paths counts as moved
 NOTE = ("fitted on the existing path, held-out rows priced on the graph; the network path's "
         "own constants at their defaults")  # fmt: skip
+# --fit-path: the path a benchmark's fold fits price their e2e rows on (graph: with contention,
+# ``calibration.graph_path``) -> the path of ``PATHS`` that prices as the fit did, and the note
+FIT_PATHS = {"comm": "comm", "graph": "graph_contention"}
+FIT_NOTES = {
+    "comm": NOTE,
+    "graph": "fitted on the graph with contention (calibration.graph_path), held-out rows "
+    "priced on every path; the network path's own constants at their defaults",
+}
+
+
+def fit_on(problem: F.Problem, records, fit_path: str) -> F.Problem:
+    """``problem`` as the fits of ``--fit-path fit_path`` see it: itself (``comm``), or with
+    its e2e rows (``records``, in its order) on their clusters' graphs with contention."""
+    return problem if fit_path == "comm" else graph_problem(problem, records, contention=True)
 
 
 class GraphPricer:

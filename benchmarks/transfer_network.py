@@ -2,7 +2,7 @@
 fitted on the existing path and its held-out rows priced on the graph.
 
     python benchmarks/transfer_network.py [--json] [--quick] [--groups A,B] [--fits DIR]
-        [--rows CSV] [--data DIR]
+        [--rows CSV] [--data DIR] [--fit-path comm|graph]
 
 ``benchmarks/transfer.py`` leaves one source or one cluster out, fits the constants on every
 other run (``calibration.fit``, the existing path: ``diffcost.comm``'s NVLink ring-share table
@@ -18,8 +18,10 @@ as ``transfer.py --fits``) and prices every held-out row three ways with the fol
   without contention between concurrent collectives;
 * ``graph_contention``: the same graph with contention.
 
-The fits are not redone on the graph path: the constants are fitted on the existing path and
-the held-out rows priced on the graph. The network path's own constants that profiles do not
+The constants are fitted on the existing path and the held-out rows priced on the graph, unless
+``--fit-path graph``: then the fits price their e2e rows on their clusters' graphs with
+contention (``calibration.graph_path``; not with ``--fits``, whose cache does not tell the
+paths apart). The network path's own constants that profiles do not
 carry (``diffcost.network``'s module constants) stay at their defaults, as in ``topology_e2e``.
 Per group and path: rows, MAPE, ``bias_pct`` (mean of pred / meas - 1, %, as ``transfer.py``)
 and ``mean_log_err_pct`` (100 x mean log(pred / meas)). ``--quick``: the source groups only,
@@ -44,10 +46,11 @@ import transfer as T  # noqa: E402  (the sibling benchmark: its folds, fits and 
 from cv_report import fmt  # noqa: E402
 from network_pricing import (  # noqa: E402
     CHECK_RTOL,
+    FIT_NOTES,
     MOVED_RTOL,
-    NOTE,
     PATHS,
     GraphPricer,
+    fit_on,
     max_rel_diff,
     path_figures,
     progress_cells,
@@ -118,6 +121,9 @@ def measure(args) -> dict:
         data=args.data, fits=args.fits,
     )  # fmt: skip
     t = T.Transfer(targs)
+    if args.fit_path != "comm" and args.fits:  # the cache's key does not say the fit's path
+        raise SystemExit("--fits holds fits on the existing path: not with --fit-path graph")
+    t.P = fit_on(t.P, t.e2e, args.fit_path)
     pricer = GraphPricer(t.predictor.n_fam, t.predictor.n_clu, t.cfg.temperature)
     names = [n for n in args.groups.split(",") if n] if args.groups else None
     groups = []
@@ -136,7 +142,8 @@ def measure(args) -> dict:
         "groups": groups,
         "summary": summary(groups),
         "details": {
-            "note": NOTE,
+            "note": FIT_NOTES[args.fit_path],
+            "fit_path": args.fit_path,
             "rows_csv": rows_csv,
             "moved_rtol": MOVED_RTOL,
             "quick": t.quick,
@@ -169,6 +176,9 @@ def main(argv=None) -> int:
                     help="folder of the zero-shot fits, shared with transfer.py --fits "
                          "(calibration.fit_cache)")  # fmt: skip
     ap.add_argument("--rows", default="", help="CSV of every held-out row's predictions")
+    ap.add_argument("--fit-path", choices=tuple(FIT_NOTES), default="comm",
+                    help="fit on the existing path (comm) or with the e2e rows on the graph "
+                         "with contention (graph)")  # fmt: skip
     args = ap.parse_args(argv)
     report(measure, print_tables, args, "transfer-network-xla-")
     return 0

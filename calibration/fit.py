@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from calibration import kernel_levels
+from calibration import graph_path, kernel_levels
 from calibration.kernel_levels import KERNEL_LEVELS
 from calibration.records import Measurements
 from diffcost import comm, descent, kernels
@@ -303,7 +303,10 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         run = jax.vmap(
             lambda m, p, c, pr, b: simulate(m, p, c, pr, temperature, (flat, b)).iteration_s
         )
-        out["e2e"] = jnp.log(run(d["model"], d["plan"], d["cluster"], params, base))
+        if isinstance(d["cluster"], tuple):  # rows on graphs of several table shapes
+            out["e2e"] = graph_path.bucketed_log(run, d, params, base)
+        else:
+            out["e2e"] = jnp.log(run(d["model"], d["plan"], d["cluster"], params, base))
     if "coll" in data:
         d = data["coll"]
         params = assemble(dev_tab, clu_tab, d["d"], d["c"])

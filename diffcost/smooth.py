@@ -17,6 +17,19 @@ import jax.numpy as jnp
 DEFAULT_TEMPERATURE = 1e-3
 
 
+def _softness(temperature, scale, dtype):
+    """(whether to take the smooth branch, the softness ``tau = temperature * scale``).
+
+    Where ``tau`` is below the square root of the smallest normal float the exact value is
+    taken (``tau`` then 1, unused): the gradient of ``x / tau`` through a ``scale`` made of the
+    inputs divides by ``tau ** 2``, which underflows to 0 there, and ``0 * inf`` made it NaN
+    (float32: a smooth minimum of 0 and 1.6e-17 s, a graph-path DP tail of a pure data-parallel
+    run, 2026-11-28). Values change only where the smooth and the exact value differ by less
+    than ``tau``: below 1e-19 in float32."""
+    ok = temperature * scale > float(jnp.finfo(dtype).tiny) ** 0.5
+    return ok, temperature * jnp.where(ok, scale, 1.0)
+
+
 def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
     """Smooth maximum of ``x`` along ``axis``: ``tau * logsumexp(x / tau)``.
 
@@ -36,9 +49,7 @@ def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPER
     if temperature == 0:
         return jnp.max(x, axis=axis)
     scale = jnp.mean(jnp.abs(x), axis=axis, keepdims=True)
-    # below the smallest normal float the softness would flush to zero: use the exact max
-    ok = temperature * scale > jnp.finfo(x.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, x.dtype)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     out = m + tau * jnp.log(jnp.sum(jnp.exp((x - m) / tau), axis=axis, keepdims=True))
     # The exact max's gradient divides by the number of entries equal to the max; where the
@@ -66,8 +77,7 @@ def smax2(a, b, temperature: float = DEFAULT_TEMPERATURE):
     if temperature == 0:
         return exact
     scale = (jnp.abs(a) + jnp.abs(b)) / 2.0
-    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, exact.dtype)
     m = jax.lax.stop_gradient(exact)
     out = m + tau * jnp.log(jnp.exp((a - m) / tau) + jnp.exp((b - m) / tau))
     return jnp.where(ok, out, exact)
@@ -153,8 +163,7 @@ def softmax_mean(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMP
     if temperature == 0:
         return exact
     scale = jax.lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=True))
-    ok = temperature * scale > jnp.finfo(x.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, x.dtype)
     out = jnp.sum(jax.nn.softmax(x / tau, axis=axis) * x, axis=axis)
     return jnp.where(jnp.squeeze(ok, axis=axis), out, exact)
 
@@ -181,8 +190,7 @@ def smooth_max_of(xs, temperature: float = DEFAULT_TEMPERATURE):
         return exact
     a = [jnp.abs(x) for x in xs]
     scale = sum_of(a) / len(xs)
-    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, exact.dtype)
     m = jax.lax.stop_gradient(exact)
     e = [jnp.exp((x - m) / tau) for x in xs]
     out = m + tau * jnp.log(sum_of(e))
@@ -203,8 +211,7 @@ def softmax_mean_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     if temperature == 0:
         return exact
     scale = jax.lax.stop_gradient(_max_of([jnp.abs(x) for x in xs]))
-    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, exact.dtype)
     inverse = 1.0 / tau
     y = _softmax_of([x * inverse for x in xs])
     w = [yi * x for yi, x in zip(y, xs)]
@@ -256,8 +263,7 @@ def softmin_weights(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_T
     if temperature == 0:
         return hard
     scale = jnp.mean(jnp.abs(x), axis=axis, keepdims=True)
-    ok = temperature * scale > jnp.finfo(x.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, x.dtype)
     return jnp.where(ok, jax.nn.softmax(-x / tau, axis=axis), hard)
 
 
@@ -283,8 +289,7 @@ def smooth_min_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     if temperature == 0:
         return exact, hard
     scale = sum(jnp.abs(-x) for x in xs) / len(xs)  # |-x|: smooth_min's subgradient at 0
-    ok = temperature * scale > jnp.finfo(exact.dtype).tiny
-    tau = temperature * jnp.where(ok, scale, 1.0)
+    ok, tau = _softness(temperature, scale, exact.dtype)
     m = jax.lax.stop_gradient(exact)
     e = [jnp.exp((m - x) / tau) for x in xs]
     total = sum_of(e)

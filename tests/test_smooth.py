@@ -64,6 +64,23 @@ def test_smooth_max_grads_finite_at_ties_and_zero(x):
     assert float(jnp.dot(x, g)) == pytest.approx(float(smooth.smooth_max(x)), abs=1e-9)
 
 
+def test_grads_finite_where_the_softness_squared_underflows():
+    """float32: a smooth minimum of 0 and 1.6e-17 s (a graph-path DP tail) has a softness of
+    8e-21, whose square, in the gradient through the inputs' scale, underflows to 0; the exact
+    value is taken there and every surrogate's gradient stays finite."""
+    pair = jnp.array([0.0, 1.5701862e-17], jnp.float32)
+    fns = (
+        lambda x: smooth.smin2(x[0], x[1], 1e-3),
+        lambda x: smooth.smax2(-x[0], -x[1], 1e-3),
+        lambda x: smooth.smooth_max(-x, temperature=1e-3),
+        lambda x: smooth.smooth_max_of([-x[0], -x[1]], 1e-3),
+        lambda x: smooth.smooth_min_of([x[0], x[1]], 1e-3)[0],
+    )
+    for fn in fns:
+        assert np.all(np.isfinite(np.asarray(jax.grad(fn)(pair))))
+    assert float(smooth.smin2(pair[0], pair[1], 1e-3)) == 0.0
+
+
 def test_check_grads_of_surrogates():
     x = jnp.array([0.3, 0.7, 0.5])
     check_grads(
