@@ -19,7 +19,6 @@ from the benchmark's own prediction (``max_rel_diff``, flagged above ``CHECK_RTO
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 from pathlib import Path
 
@@ -29,9 +28,9 @@ from cv_report import clean_json, fmt
 from transfer import group_metrics
 
 from calibration import fit as F
+from calibration import graph_path
 from calibration.graph_path import graph_problem
 from calibration.heldout import fresh_compilation_cache, target_tables
-from diffcost.arrays import cluster_arrays
 from diffcost.cache import fast_compile_jit
 
 PATHS = ("comm", "graph", "graph_contention")
@@ -79,8 +78,7 @@ class GraphPricer:
         """The row's cluster on its own graph (``topology: cluster``) for its GPU count."""
         key = (repr(record.cluster), int(record.plan.n_gpus))
         if key not in self._graphs:
-            spec = dataclasses.replace(record.cluster, topology="cluster")
-            self._graphs[key] = cluster_arrays(spec, None, record.plan.n_gpus)
+            self._graphs[key] = graph_path.graph_arrays(record, contention=False)
         arrays = self._graphs[key]
         return arrays.replace(network=arrays.network.replace(contention=contention))
 

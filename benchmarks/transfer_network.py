@@ -28,7 +28,8 @@ and ``mean_log_err_pct`` (100 x mean log(pred / meas)). ``--quick``: the source 
 fits of 60 steps (``transfer.py --quick``'s fits), a smoke run. ``graph_contention_rows``: of
 the rows whose price moved between the existing path and the graph with contention, how many
 came closer to the measurement. ``--rows PATH`` writes every held-out row's predictions. A
-progress line per group goes to stderr.
+progress line per group goes to stderr. Exits 1 when a group's existing path does not
+reproduce ``transfer.py``'s prediction.
 """
 
 from __future__ import annotations
@@ -180,8 +181,8 @@ def main(argv=None) -> int:
                     help="fit on the existing path (comm) or with the e2e rows on the graph "
                          "with contention (graph)")  # fmt: skip
     args = ap.parse_args(argv)
-    report(measure, print_tables, args, "transfer-network-xla-")
-    return 0
+    result = report(measure, print_tables, args, "transfer-network-xla-")
+    return 0 if all(g["reproduces_transfer"] for g in result["groups"]) else 1
 
 
 if __name__ == "__main__":
