@@ -30,6 +30,16 @@ def _softness(temperature, scale, dtype):
     return ok, temperature * jnp.where(ok, scale, 1.0)
 
 
+def _fallback_max(x, ok, axis):
+    """The exact max along ``axis``, for the branch taken where ``ok`` (keepdims) is False.
+
+    ``jnp.max``'s gradient divides by the number of entries equal to the max; where the compiler
+    rounds the max and the comparison differently (seen on XLA CPU at -O0, vmapped) that count
+    is 0, and the unused branch's 0/0 poisons the gradient through ``jnp.where``. The input is
+    therefore zeroed where the smooth branch is taken (all ties: the count is the axis length)."""
+    return jnp.max(jnp.where(ok, 0.0, x), axis=axis)
+
+
 def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
     """Smooth maximum of ``x`` along ``axis``: ``tau * logsumexp(x / tau)``.
 
@@ -52,12 +62,9 @@ def smooth_max(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPER
     ok, tau = _softness(temperature, scale, x.dtype)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     out = m + tau * jnp.log(jnp.sum(jnp.exp((x - m) / tau), axis=axis, keepdims=True))
-    # The exact max's gradient divides by the number of entries equal to the max; where the
-    # compiler rounds the max and the comparison differently (seen on XLA CPU at -O0) that
-    # count is 0 and the unused branch's 0/0 poisons the gradient. Its input is therefore
-    # zeroed where the smooth branch is taken (all ties: the count is the axis length).
-    exact = jnp.max(jnp.where(ok, 0.0, x), axis=axis)
-    return jnp.where(jnp.squeeze(ok, axis=axis), jnp.squeeze(out, axis=axis), exact)
+    return jnp.where(
+        jnp.squeeze(ok, axis=axis), jnp.squeeze(out, axis=axis), _fallback_max(x, ok, axis)
+    )
 
 
 def smooth_min(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMPERATURE):
@@ -159,13 +166,12 @@ def softmax_mean(x: jax.Array, axis: int = -1, temperature: float = DEFAULT_TEMP
     exp(-g / tau)`` for a value ``g`` below the maximum); where every input is zero it is zero.
     """
     x = jnp.asarray(x)
-    exact = jnp.max(x, axis=axis)
     if temperature == 0:
-        return exact
+        return jnp.max(x, axis=axis)
     scale = jax.lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=True))
     ok, tau = _softness(temperature, scale, x.dtype)
     out = jnp.sum(jax.nn.softmax(x / tau, axis=axis) * x, axis=axis)
-    return jnp.where(jnp.squeeze(ok, axis=axis), out, exact)
+    return jnp.where(jnp.squeeze(ok, axis=axis), out, _fallback_max(x, ok, axis))
 
 
 def sum_of(xs):
@@ -296,7 +302,7 @@ def smooth_min_of(xs, temperature: float = DEFAULT_TEMPERATURE):
     # where the temperature vanishes (every value ~0), the exact minimum with its gradient
     # shared equally by the tied arrays, as ``jnp.min`` over a stacked axis shares it
     ties = [(x == exact).astype(exact.dtype) for x in xs]
-    count = sum_of(ties)
+    count = jnp.where(ok, 1.0, sum_of(ties))  # never 0/0 in the unused branch (_fallback_max)
     at_min = m + sum(t * (x - m) for t, x in zip(ties, xs)) / count
     value = jnp.where(ok, m - tau * jnp.log(total), at_min)
     return value, [jnp.where(ok, ei / total, h) for ei, h in zip(e, hard)]
