@@ -85,6 +85,7 @@ class PlanArrays:
     overlap_tp: jax.Array  # [0, 1]
     grad_reduce_fp32: jax.Array  # [0, 1]: 4- or 2-byte gradients (ZeRO 0-2)
     zero: jax.Array  # [4] probabilities of ZeRO stage 0..3
+    gather_layer: jax.Array  # [0, 1]: ZeRO-2 gathers parameters per layer (FSDP SHARD_GRAD_OP)
     recompute: jax.Array  # [3] probabilities of none / selective / full
     schedule: jax.Array  # [3] probabilities of gpipe / 1f1b / interleaved
     order: jax.Array  # [4] rank of (tp, cp, dp, pp) from innermost (0) outwards
@@ -200,6 +201,7 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
         overlap_tp=f(1.0 if plan.overlap_tp else 0.0),
         grad_reduce_fp32=f(1.0 if plan.grad_reduce_fp32 else 0.0),
         zero=_choice(specs.ZERO_STAGES, plan.zero, f),
+        gather_layer=f(1.0 if plan.param_gather == "layer" else 0.0),
         recompute=_recompute_leaf(plan, f),
         schedule=_choice(specs.SCHEDULES, plan.schedule, f),
         order=f(order),

@@ -43,6 +43,8 @@ class FrameworkDefaults:
     grad_reduce_fp32: bool = True  # ZeRO 0-2 gradients in fp32 (else 16-bit)
     # What a run's "selective" recompute is in this stack: (mode, share of the layers)
     selective: tuple[str, float] = ("selective", 1.0)
+    # Where its ZeRO-2 gathers the parameters (``PlanSpec.param_gather``)
+    param_gather: str = "step"
 
 
 _MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True)
@@ -67,8 +69,12 @@ FRAMEWORK_DEFAULTS = {
     # ``selective_ac_option: 2``) or, by op, keeps the matmul and attention outputs except every
     # second matmul and recomputes the rest; both replay about half of a block's forward, so it
     # is full recompute on half the layers, not Megatron's attention-core recompute.
-    "llm-foundry": FrameworkDefaults(False, 3, "none", "triton", True, False),
-    "torchtitan": FrameworkDefaults(False, 3, "none", "flash", True, False, True, ("full", 0.5)),
+    # Their ZeRO-2 is FSDP's SHARD_GRAD_OP (FSDP2: no resharding after the forward): each
+    # unit's parameters are gathered before its forward and kept for its backward.
+    "llm-foundry": FrameworkDefaults(False, 3, "none", "triton", True, False, param_gather="layer"),
+    "torchtitan": FrameworkDefaults(
+        False, 3, "none", "flash", True, False, True, ("full", 0.5), param_gather="layer"
+    ),
     "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
 }
 GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
@@ -249,6 +255,9 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         used.append(f"selective recompute as {recompute} on {recompute_fraction:g} of the layers")
     chunks = _cell_or(row, "interleave_chunks", 1, "interleave_chunks=1", used)
     used.append(f"overlap_dp={fw.overlap_dp}")
+    param_gather = fw.param_gather if zero == 2 else "step"
+    if param_gather != "step":
+        used.append(f"param_gather={param_gather} (ZeRO-2 as FSDP SHARD_GRAD_OP)")
     if not fw.grad_reduce_fp32 and zero < 3:
         used.append("grad_reduce_fp32=False")
     if n_micro := gb / (dp * mb):
@@ -261,6 +270,7 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         dp=dp,
         sequence_parallel=sp,
         zero=zero,
+        param_gather=param_gather,
         recompute=recompute,
         recompute_fraction=recompute_fraction,
         microbatch=mb,

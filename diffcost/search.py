@@ -82,6 +82,7 @@ class Bounds:
     overlap_dp: jax.Array
     overlap_tp: jax.Array
     grad_reduce_fp32: jax.Array
+    gather_layer: jax.Array
     order_ranks: jax.Array  # [n_orders, 4]
     lora: dict  # the plan's fixed LoRA leaves (``arrays.lora_leaves``)
 
@@ -168,6 +169,7 @@ def bounds_for(space: Space, dtype=None) -> Bounds:
         overlap_dp=f(float(space.overlap_dp)),
         overlap_tp=f(float(space.overlap_tp)),
         grad_reduce_fp32=f(float(space.grad_reduce_fp32)),
+        gather_layer=f(float(space.param_gather == "layer")),
         order_ranks=f(ranks),
         lora=lora_leaves(space.lora_rank, space.lora_modules, f),
     )
@@ -204,6 +206,7 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
         overlap_tp=b.overlap_tp,
         grad_reduce_fp32=b.grad_reduce_fp32,
         zero=jax.nn.softmax(r.zero / tau),
+        gather_layer=b.gather_layer,
         recompute=jax.nn.softmax(r.recompute / tau),
         schedule=jax.nn.softmax(r.schedule / tau),
         order=jax.nn.softmax(r.order / tau) @ b.order_ranks,

@@ -83,7 +83,7 @@ class Breakdown:
     tp_comm_s: jax.Array  # exposed tensor-parallel communication
     cp_comm_s: jax.Array
     ep_comm_s: jax.Array
-    zero_comm_s: jax.Array  # exposed ZeRO-3 parameter gathers / gradient scatters
+    zero_comm_s: jax.Array  # exposed per-layer ZeRO gathers / scatters (ZeRO-3, FSDP's ZeRO-2)
     pp_comm_s: jax.Array  # pipeline sends in the fill and drain
     dp_comm_s: jax.Array  # exposed gradient sync and ZeRO-1/2 parameter gathers
     bubble_s: jax.Array

@@ -99,6 +99,7 @@ class Space:
     overlap_dp: bool = True
     overlap_tp: bool = False
     grad_reduce_fp32: bool = True
+    param_gather: str = "step"  # ``PlanSpec.param_gather`` of the ZeRO-2 choices
     lora_rank: int | None = None  # LoRA fine-tuning (``PlanSpec.lora_rank``), fixed for all
     lora_modules: str = "attention"
 
@@ -229,6 +230,7 @@ class Space:
             ep=c.ep,
             sequence_parallel=self.sequence_parallel and c.tp > 1,
             zero=c.zero,
+            param_gather=self.param_gather if c.zero == 2 else "step",
             recompute=c.recompute,
             microbatch=c.microbatch,
             global_batch=self.global_batch,
@@ -272,6 +274,7 @@ class Space:
             overlap_tp=np.full(n, float(self.overlap_tp)),
             grad_reduce_fp32=np.full(n, float(self.grad_reduce_fp32)),
             zero=one_hot("zero", ZERO_STAGES),
+            gather_layer=np.full(n, float(self.param_gather == "layer")),
             recompute=one_hot("recompute", RECOMPUTE_MODES),
             schedule=one_hot("schedule", SCHEDULES),
             order=ranks[index("order", range(len(self.orders)))],

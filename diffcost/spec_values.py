@@ -283,6 +283,11 @@ def _plan_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> Pl
             plan.recompute_fraction,
             "a fraction in (0, 1]: the share of the layers recompute applies to",
         )
+    if plan.param_gather == "layer" and plan.zero != 2:
+        raise ConfigError(
+            f"{where}: {prefix}param_gather='layer' applies to ZeRO-2 (FSDP SHARD_GRAD_OP), "
+            f"but {prefix}zero={plan.zero}; use zero: 2, or leave param_gather out"
+        )
     if plan.schedule == "interleaved" and plan.chunks < 2:
         raise ConfigError(
             f"{where}: {prefix}chunks={plan.chunks} is invalid with "

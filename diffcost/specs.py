@@ -13,6 +13,7 @@ from typing import Literal
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "fp4"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
+ParamGather = Literal["step", "layer"]
 Mlp = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 # Attention core: "unfused" writes the s x s scores to HBM (Megatron's softmax path); "flash" is
@@ -138,6 +139,11 @@ class PlanSpec:
     ep: int = 1
     sequence_parallel: bool = False
     zero: int = 0
+    # Where ZeRO-2's sharded 16-bit parameters are gathered: "step", all of the stage's at once
+    # after the optimizer step (DeepSpeed ZeRO-2); "layer", each layer's before its forward,
+    # kept through its backward, whose gradients are reduce-scattered under it (PyTorch FSDP
+    # ``SHARD_GRAD_OP``, FSDP2 without resharding after the forward)
+    param_gather: ParamGather = "step"
     recompute: Recompute = "none"
     # Share of the layers ``recompute`` applies to; the others keep every activation (Megatron's
     # ``--recompute-method block --recompute-num-layers``, torchtitan's selective AC by layer)

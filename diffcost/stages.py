@@ -249,13 +249,14 @@ def shared_traffic(work: LayerWork, plan: PlanArrays) -> dict:
     (ZeRO-0/1/2) or its ZeRO-3 gathers and scatters, dense and expert; "tp" the next layer's
     tensor-parallel collectives; "send" a pipeline send."""
     zero, sp = plan.zero, plan.sp
+    per_layer = layer_sharded(plan)
 
     def sync(trained, weights):
         return [
             ("all_reduce", trained * grad_bytes(plan), zero[0]),
-            ("reduce_scatter", trained * grad_bytes(plan), zero[1] + zero[2]),
+            ("reduce_scatter", trained * grad_bytes(plan), zero[1] + zero[2] - per_layer),
             ("all_gather", weights * WEIGHT_BYTES, zero[3]),
-            ("reduce_scatter", trained * FSDP_GRAD_BYTES, zero[3]),
+            ("reduce_scatter", trained * FSDP_GRAD_BYTES, zero[3] + per_layer),
         ]
 
     tp = [
@@ -417,14 +418,26 @@ def layer_parts_s(
     return jnp.stack([fwd, bwd])
 
 
+def layer_sharded(plan):
+    """The weight of ZeRO-2 with per-layer gathers (``PlanSpec.param_gather`` "layer"): its
+    parameters and gradients move per layer, as ZeRO-3's do, instead of once per step."""
+    return plan.zero[2] * plan.gather_layer
+
+
 def zero3_comm_s(layer_s, recompute_s, comms: CommTimes, plan, kappa, temperature):
-    """Exposed ZeRO-3 communication of one layer ([2]): its parameters are gathered before the
-    forward and the backward, prefetched under the layer's compute, and its gradients
-    reduce-scattered during the backward (which includes the recompute)."""
+    """Exposed per-layer ZeRO communication of one layer ([2]). ZeRO-3 gathers the layer's
+    parameters before the forward and again before the backward, prefetched under the layer's
+    compute, and reduce-scatters its gradients during the backward (which includes the
+    recompute); ZeRO-2 with per-layer gathers (``layer_sharded``) keeps the forward's gathered
+    parameters for the backward, so its backward only reduce-scatters."""
     zeros = jnp.zeros_like(recompute_s)
     core_s = layer_s + jnp.stack([zeros, recompute_s])
-    comm_s = comms.zero3_gather_s + jnp.stack([zeros, comms.zero3_scatter_s])
-    return plan.zero[3] * (_overlap(core_s, comm_s, kappa, temperature) - core_s)
+    scatter_s = jnp.stack([zeros, comms.zero3_scatter_s])
+    regather = comms.zero3_gather_s + scatter_s
+    kept = jnp.stack([comms.zero3_gather_s, zeros]) + scatter_s
+    exposed_regather = _overlap(core_s, regather, kappa, temperature) - core_s
+    exposed_kept = _overlap(core_s, kept, kappa, temperature) - core_s
+    return plan.zero[3] * exposed_regather + layer_sharded(plan) * exposed_kept
 
 
 # --- one stage ----------------------------------------------------------------------------------
@@ -485,15 +498,18 @@ def dp_sync_s(comms: CommTimes, plan: PlanArrays):
 
     ZeRO-0 all-reduces gradients, ZeRO-1/2 reduce-scatter them and all-gather the updated
     16-bit parameters afterwards (overlapped with the next iteration's forward when
-    ``overlap_dp``); ZeRO-3 syncs inside the layer (``zero3_comm_s``). The embedding's
-    gradients sync after the backward on the first and last stage.
+    ``overlap_dp``); ZeRO-3 and ZeRO-2 with per-layer gathers sync inside the layer
+    (``zero3_comm_s``). The embedding's gradients sync after the backward on the first and
+    last stage (reduce-scattered with ZeRO >= 1).
     """
     zero = plan.zero
     sharded = zero[1] + zero[2]
+    per_step = sharded - layer_sharded(plan)
     sync = zero[0] * comms.all_reduce_s + sharded * comms.reduce_scatter_s  # dense, expert, emb
-    gather_after = sharded * (1.0 - plan.overlap_dp) * comms.stage_gather_s
+    layer_sync = zero[0] * comms.all_reduce_s + per_step * comms.reduce_scatter_s
+    gather_after = per_step * (1.0 - plan.overlap_dp) * comms.stage_gather_s
     after = jnp.stack([gather_after + sync[2], gather_after, gather_after + sync[2]])
-    return sync[0] + sync[1], after
+    return layer_sync[0] + layer_sync[1], after
 
 
 def optimizer_step_s(work: LayerWork, model, plan, cluster, params: Params):

@@ -28,7 +28,7 @@ PART_LABELS = {
     "tp_comm_s": "tensor-parallel comm (exposed)",
     "cp_comm_s": "context-parallel comm (exposed)",
     "ep_comm_s": "expert all-to-all (exposed)",
-    "zero_comm_s": "ZeRO-3 gathers/scatters (exposed)",
+    "zero_comm_s": "per-layer ZeRO gathers/scatters (exposed)",
     "pp_comm_s": "pipeline sends (fill/drain)",
     "dp_comm_s": "data-parallel sync (exposed)",
     "bubble_s": "pipeline bubble",
@@ -166,11 +166,13 @@ def print_prediction(exp: Experiment, d: dict) -> None:
     console = Console()
     p = exp.plan
     share = f"({p.recompute_fraction:g} of layers)" if p.recompute_fraction < 1 else ""
+    gather = "(per layer)" if p.param_gather == "layer" else ""
     console.print(
         f"[bold]{exp.model.name}[/] on [bold]{exp.cluster.name}[/], {p.n_gpus} GPUs: "
         f"tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} sp={p.sequence_parallel} "
-        f"zero={p.zero} recompute={p.recompute}{share} mb={p.microbatch} gb={p.global_batch} "
-        f"schedule={p.schedule}" + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
+        f"zero={p.zero}{gather} recompute={p.recompute}{share} mb={p.microbatch} "
+        f"gb={p.global_batch} schedule={p.schedule}"
+        + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
     )
     interval = ""
     if d.get("iteration_s_low") is not None:
