@@ -8,8 +8,10 @@ and global batch) the measured times follow ``t = a + b L + n (c + d L)`` exactl
 microbatches): ``d`` per layer and microbatch, ``c`` per microbatch (LM head, loss, host step),
 ``b`` per layer and iteration, ``a`` per iteration. diffcost's prediction has the same form. This
 fits the four to the measured and to the held-out predicted times of every cell (predictions
-from ``calibration_cv.py``'s rows file) and reports the source's error when the predicted
-components are replaced by the measured ones, one group at a time:
+from ``calibration_cv.py``'s rows file, or with ``--cv-rows benchmarks/results/transfer_rows.csv``
+the zero-shot ones of the ``transfer.py`` group that leaves the source out) and reports the
+source's error when the predicted components are replaced by the measured ones, one group at a
+time:
 
 * ``none`` (the held-out error as predicted), ``d``, ``c``, ``a+b``, ``c+d`` and ``all``: how
   much of the error each component carries (errors of different components can cancel, so
@@ -62,7 +64,7 @@ def cells_with_predictions(rows, cv_rows) -> dict:
     """{cell key: ([(layers, microbatches, measured)], [(layers, microbatches, predicted)],
     layer shape, pp)} of the e2e rows (numbered, ``e2e_rows.rows(..., numbered=True)``) that
     have a held-out prediction (``cv_rows`` name their data row)."""
-    pred = {r["row"]: float(r["cv_predicted_s"]) for r in cv_rows}
+    pred = {r["row"]: float(r.get("cv_predicted_s") or r["predicted_s"]) for r in cv_rows}
     index = {k: i for i, k in enumerate(layer_composition.CELL_KEY)}
     out = collections.defaultdict(lambda: ([], []))
     for r in rows:
@@ -172,7 +174,12 @@ def main(argv=None) -> int:
         )
         return 2
     with open(cv_path, newline="", encoding="utf-8") as fh:
-        cv_rows = [r for r in csv.DictReader(fh) if r["source"] == args.source]
+        held_out = f"source: {args.source}"  # transfer.py's rows file: the source left out
+        cv_rows = [
+            r
+            for r in csv.DictReader(fh)
+            if r["source"] == args.source and r.get("group", held_out) == held_out
+        ]
     cells = cells_with_predictions(rows, cv_rows)
     result = analyse(cells)
     if args.json:
