@@ -24,8 +24,10 @@ time:
   are not a smooth function of the shape: a physical term would have to follow them cell by
   cell.
 
-``--cells`` also prints ``c`` and ``d``, measured and predicted, per per-GPU layer shape (mean
-over its single-stage layouts, whose ``d`` is the whole model's per layer).
+``--cells`` also prints the mean log(predicted / measured) per tensor-parallel size (as
+predicted, with the measured ``d``, with the measured ``c``) and ``c`` and ``d``, measured and
+predicted, per per-GPU layer shape (mean over its single-stage layouts, whose ``d`` is the whole
+model's per layer).
 
 Pure data analysis of committed files, no fit: runs in about a second.
 """
@@ -104,13 +106,18 @@ def analyse(cells: dict) -> dict:
     if not fits:
         return {}
     out = {"cells": len(fits), "rows": int(sum(len(f[1]) for f in fits.values()))}
+    out["mean_log_by_tp"] = {}
     for name, cols in VARIANTS.items():
-        ape = []
-        for x, t, meas, pred, _ in fits.values():
+        ape, by_tp = [], collections.defaultdict(list)
+        for x, t, meas, pred, shape in fits.values():
             coef = pred.copy()
             coef[list(cols)] = meas[list(cols)]
             ape.append(np.abs(x @ coef / t - 1))
+            by_tp[shape[0]].append(np.log(x @ coef / t))
         out[f"fix_{name}"] = _stats(np.concatenate(ape))
+        out["mean_log_by_tp"][name] = {
+            tp: float(np.mean(np.concatenate(v))) for tp, v in sorted(by_tp.items())
+        }
     # per-shape log ratios of c and d (cells whose c is not positive in both are left out)
     ratios = collections.defaultdict(list)
     for *_, meas, pred, shape in fits.values():
@@ -199,6 +206,10 @@ def main(argv=None) -> int:
                 f"max {v['max_ape_pct']:5.1f}%"
             )
     if cells_table:
+        print("mean log(predicted / measured) by tp, as predicted and with the measured d or c:")
+        for name in ("none", "d", "c"):
+            by_tp = result["mean_log_by_tp"][name]
+            print(f"  {name:4s} " + "  ".join(f"tp {tp}: {v:+.3f}" for tp, v in by_tp.items()))
         print("per layer shape, mean over its pp = 1 layouts: measured / predicted, ms")
         for r in result["layer_shapes"]:
             print(

@@ -62,6 +62,8 @@ def test_substituting_measured_components_removes_their_error():
     assert out["fix_all"]["max_ape_pct"] == pytest.approx(0.0, abs=1e-9)
     assert out["fix_a+b"]["mape_pct"] == pytest.approx(out["fix_none"]["mape_pct"], rel=1e-9)
     assert 0.0 < out["fix_d"]["mape_pct"] and 0.0 < out["fix_c"]["mape_pct"]
+    assert list(out["mean_log_by_tp"]["all"]) == [1, 2, 4, 8]
+    assert max(map(abs, out["mean_log_by_tp"]["all"].values())) < 1e-9
 
 
 def test_a_smooth_per_shape_error_is_corrected_without_seeing_the_shape():
