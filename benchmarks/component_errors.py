@@ -8,8 +8,10 @@ and global batch) the measured times follow ``t = a + b L + n (c + d L)`` exactl
 microbatches): ``d`` per layer and microbatch, ``c`` per microbatch (LM head, loss, host step),
 ``b`` per layer and iteration, ``a`` per iteration. diffcost's prediction has the same form. This
 fits the four to the measured and to the held-out predicted times of every cell (predictions
-from ``calibration_cv.py``'s rows file) and reports the source's error when the predicted
-components are replaced by the measured ones, one group at a time:
+from ``calibration_cv.py``'s rows file, or with ``--cv-rows benchmarks/results/transfer_rows.csv``
+the zero-shot ones of the ``transfer.py`` group that leaves the source out) and reports the
+source's error when the predicted components are replaced by the measured ones, one group at a
+time:
 
 * ``none`` (the held-out error as predicted), ``d``, ``c``, ``a+b``, ``c+d`` and ``all``: how
   much of the error each component carries (errors of different components can cancel, so
@@ -22,8 +24,10 @@ components are replaced by the measured ones, one group at a time:
   are not a smooth function of the shape: a physical term would have to follow them cell by
   cell.
 
-``--cells`` also prints ``c`` and ``d``, measured and predicted, per per-GPU layer shape (mean
-over its single-stage layouts, whose ``d`` is the whole model's per layer).
+``--cells`` also prints the mean log(predicted / measured) per tensor-parallel size (as
+predicted, with the measured ``d``, with the measured ``c``) and ``c`` and ``d``, measured and
+predicted, per per-GPU layer shape (mean over its single-stage layouts, whose ``d`` is the whole
+model's per layer).
 
 Pure data analysis of committed files, no fit: runs in about a second.
 """
@@ -62,7 +66,7 @@ def cells_with_predictions(rows, cv_rows) -> dict:
     """{cell key: ([(layers, microbatches, measured)], [(layers, microbatches, predicted)],
     layer shape, pp)} of the e2e rows (numbered, ``e2e_rows.rows(..., numbered=True)``) that
     have a held-out prediction (``cv_rows`` name their data row)."""
-    pred = {r["row"]: float(r["cv_predicted_s"]) for r in cv_rows}
+    pred = {r["row"]: float(r.get("cv_predicted_s") or r["predicted_s"]) for r in cv_rows}
     index = {k: i for i, k in enumerate(layer_composition.CELL_KEY)}
     out = collections.defaultdict(lambda: ([], []))
     for r in rows:
@@ -102,13 +106,18 @@ def analyse(cells: dict) -> dict:
     if not fits:
         return {}
     out = {"cells": len(fits), "rows": int(sum(len(f[1]) for f in fits.values()))}
+    out["mean_log_by_tp"] = {}
     for name, cols in VARIANTS.items():
-        ape = []
-        for x, t, meas, pred, _ in fits.values():
+        ape, by_tp = [], collections.defaultdict(list)
+        for x, t, meas, pred, shape in fits.values():
             coef = pred.copy()
             coef[list(cols)] = meas[list(cols)]
             ape.append(np.abs(x @ coef / t - 1))
+            by_tp[shape[0]].append(np.log(x @ coef / t))
         out[f"fix_{name}"] = _stats(np.concatenate(ape))
+        out["mean_log_by_tp"][name] = {
+            tp: float(np.mean(np.concatenate(v))) for tp, v in sorted(by_tp.items())
+        }
     # per-shape log ratios of c and d (cells whose c is not positive in both are left out)
     ratios = collections.defaultdict(list)
     for *_, meas, pred, shape in fits.values():
@@ -172,7 +181,12 @@ def main(argv=None) -> int:
         )
         return 2
     with open(cv_path, newline="", encoding="utf-8") as fh:
-        cv_rows = [r for r in csv.DictReader(fh) if r["source"] == args.source]
+        held_out = f"source: {args.source}"  # transfer.py's rows file: the source left out
+        cv_rows = [
+            r
+            for r in csv.DictReader(fh)
+            if r["source"] == args.source and r.get("group", held_out) == held_out
+        ]
     cells = cells_with_predictions(rows, cv_rows)
     result = analyse(cells)
     if args.json:
@@ -192,6 +206,10 @@ def main(argv=None) -> int:
                 f"max {v['max_ape_pct']:5.1f}%"
             )
     if cells_table:
+        print("mean log(predicted / measured) by tp, as predicted and with the measured d or c:")
+        for name in ("none", "d", "c"):
+            by_tp = result["mean_log_by_tp"][name]
+            print(f"  {name:4s} " + "  ".join(f"tp {tp}: {v:+.3f}" for tp, v in by_tp.items()))
         print("per layer shape, mean over its pp = 1 layouts: measured / predicted, ms")
         for r in result["layer_shapes"]:
             print(

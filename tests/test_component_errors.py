@@ -62,6 +62,8 @@ def test_substituting_measured_components_removes_their_error():
     assert out["fix_all"]["max_ape_pct"] == pytest.approx(0.0, abs=1e-9)
     assert out["fix_a+b"]["mape_pct"] == pytest.approx(out["fix_none"]["mape_pct"], rel=1e-9)
     assert 0.0 < out["fix_d"]["mape_pct"] and 0.0 < out["fix_c"]["mape_pct"]
+    assert list(out["mean_log_by_tp"]["all"]) == [1, 2, 4, 8]
+    assert max(map(abs, out["mean_log_by_tp"]["all"].values())) < 1e-9
 
 
 def test_a_smooth_per_shape_error_is_corrected_without_seeing_the_shape():
@@ -82,3 +84,20 @@ def test_command_line_reports_the_vtrain_components(capsys):
     out = capsys.readouterr().out
     assert out.startswith("vtrain_ground_truth_single: ") and "fix_c+d" in out
     assert ce.main(["--data", str(SHARED_DATA), "--cv-rows", "/nonexistent.csv"]) == 2
+
+
+def test_transfer_rows_predictions_are_read_from_their_column():
+    rows, cv = _rows_and_predictions(_true, _true)
+    transfer = [{"row": r["row"], "predicted_s": str(r["cv_predicted_s"])} for r in cv]
+    out = ce.analyse(ce.cells_with_predictions(rows, transfer))
+    assert out["fix_none"]["max_ape_pct"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "e2e" / "calibration.csv").is_file(), reason="no data")
+def test_command_line_reads_the_transfer_rows_file(capsys, tmp_path):
+    path = tmp_path / "transfer_rows.csv"
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        fh.write("group,row,source,predicted_s\n")
+        fh.write("cluster: vtrain-a100,1,vtrain_ground_truth_single,1.0\n")
+    assert ce.main(["--data", str(SHARED_DATA), "--cv-rows", str(path)]) == 0
+    assert "no cell" in capsys.readouterr().out  # the cluster group's rows are not read
