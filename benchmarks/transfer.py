@@ -43,6 +43,9 @@ with the same code, data and settings, e.g. ``--suggest`` after the few-shot run
 smoke run, its figures are not the benchmark's. Results go to
 ``benchmarks/results/transfer.json`` (``--out``), the held-out rows to ``transfer_rows.csv``
 beside it, and a plot of every held-out group to ``transfer_zero_shot.png``.
+
+The few-shot refits are in ``transfer_few_shot.py``, the CSV, plot and tables in
+``transfer_report.py``.
 """
 
 from __future__ import annotations
