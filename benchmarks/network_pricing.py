@@ -72,11 +72,11 @@ class GraphPricer:
         self._fn = fast_compile_jit(
             lambda dev, clu, data: F.predict_log(dev, clu, data, temperature)["e2e"]
         )
-        self._graphs: dict = {}  # (repr of the cluster, GPUs) -> graph ClusterArrays
+        self._graphs: dict = {}  # graph_path.graph_key -> graph ClusterArrays
 
     def graph(self, record, contention: bool):
         """The row's cluster on its own graph (``topology: cluster``) for its GPU count."""
-        key = (repr(record.cluster), int(record.plan.n_gpus))
+        key = graph_path.graph_key(record)
         if key not in self._graphs:
             self._graphs[key] = graph_path.graph_arrays(record, contention=False)
         arrays = self._graphs[key]

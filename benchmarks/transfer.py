@@ -43,12 +43,14 @@ with the same code, data and settings, e.g. ``--suggest`` after the few-shot run
 smoke run, its figures are not the benchmark's. Results go to
 ``benchmarks/results/transfer.json`` (``--out``), the held-out rows to ``transfer_rows.csv``
 beside it, and a plot of every held-out group to ``transfer_zero_shot.png``.
+
+The few-shot refits are in ``transfer_few_shot.py``, the CSV, plot and tables in
+``transfer_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -57,7 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from cv_report import clean_json, finish, fmt, grouped_pred_meas  # noqa: E402
+from cv_report import clean_json, finish  # noqa: E402
+from transfer_few_shot import DRAWS, few_shot, suggested_vs_random  # noqa: E402
+from transfer_report import plot_zero_shot, print_tables, write_rows  # noqa: E402
 
 from calibration import fit as F  # noqa: E402
 from calibration import refit as refit_mod  # noqa: E402
@@ -76,21 +80,14 @@ from calibration.heldout import (  # noqa: E402
     target_tables,
     trained_keys,
 )
-from calibration.posterior import (  # noqa: E402
-    flat_jacobians,
-    fold_covariance,
-    group_stats,
-    residual_sd,
-)
+from calibration.posterior import group_stats, residual_sd  # noqa: E402
 from diffcost.runs import FRAMEWORK_DEFAULTS  # noqa: E402
-from diffcost.suggest import greedy_design  # noqa: E402
 from diffcost.uncertainty import log_time_jacobians  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"
 MIN_ROWS = 8
 FEW_SHOT_K = (3, 10)
-DRAWS = 3
 FEW_SHOT_STEPS = 200
 FEW_SHOT_LR = 0.03  # a warm start near the optimum: Adam's first steps move every constant ~lr
 COVERAGE_TARGET = (70.0, 90.0)  # % of held-out runs inside their 80% interval
@@ -336,72 +333,6 @@ def add_intervals(groups: list, preds: dict, t: Transfer) -> None:
         }
 
 
-def few_shot(t: Transfer, name: str, held: np.ndarray, k: int, draws: int) -> dict:
-    """k runs of a held-out source join the training set; the refit predicts the rest."""
-    idx = np.flatnonzero(held)
-    mapes = []
-    for draw in range(draws):
-        rng = np.random.default_rng(1000 * k + draw)
-        mapes.append(t.refit(held, rng.choice(idx, size=k, replace=False)))
-    t.say(f"few-shot {name} k={k}: MAPE {np.mean(mapes):.1f}% (worst draw {max(mapes):.1f}%)")
-    return {
-        "kind": "source",
-        "name": name,
-        "k": k,
-        "draws": draws,
-        "mape_pct_mean": float(np.mean(mapes)),
-        "mape_pct_worst": float(max(mapes)),
-        "mape_pct_draws": mapes,
-    }
-
-
-def suggested_vs_random(t: Transfer, g: dict, k: int = 3) -> dict:
-    """``diffcost suggest``'s design on a held-out source: of its runs, the ``k`` whose
-    measurement most shrinks the mean predictive variance of the source's runs
-    (``greedy_design`` with every run a target; ``--design mean``: the variance of the
-    source's mean log time, the earlier criterion),
-    refitted as ``few_shot`` refits random draws; the error on the source's other runs beside
-    the random draws' (``few_shot``). The design's model is ``suggest``'s: each run's Jacobian
-    at the zero-shot fit, placed at its own family's and cluster's constants; their covariance
-    the Laplace posterior of the zero-shot fit (``posterior.fold_covariance``: constants the
-    training runs inform are narrow, those of a family or cluster they never reach keep their
-    prior width); the stack offset as one more unknown with the other groups' stack spread
-    where the source's stack is unseen; the other groups' residual spread as the noise."""
-    held = t.src == g["name"]
-    _, tables0, w0 = t.zero_shot_fits[held.tobytes()]
-    idx = np.flatnonzero(held)
-    d = np.asarray(t.P.data["e2e"]["d"])[idx]
-    c = np.asarray(t.P.data["e2e"]["c"])[idx]
-    full = flat_jacobians(t.P, t.jacobians(idx, tables0, w0), d, c)
-    t.say(f"suggest {g['name']}: posterior of the zero-shot fit")
-    cov = fold_covariance(t.P, tables0, w0, t.cfg)
-    used = np.flatnonzero(np.abs(full).sum(0) > 0)
-    spreads = g.get("interval_sd", {})
-    stack_var = spreads.get("stack", 0.0) ** 2 if spreads.get("stack_seen_rows", 0) == 0 else 0.0
-    jac = np.hstack([full[:, used], np.ones((len(idx), 1))])
-    cov = np.block([
-        [cov[np.ix_(used, used)], np.zeros((used.size, 1))],
-        [np.zeros((1, used.size)), np.full((1, 1), stack_var)],
-    ])  # fmt: skip
-    noise = spreads.get("residual", 0.05) ** 2
-    targets = jac.mean(0) if t.design == "mean" else jac
-    picks = [i for i, _ in greedy_design(targets, jac, cov, noise, k)]
-    shot = idx[picks]
-    mape = t.refit(held, shot)
-    random = few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS)
-    t.say(f"suggested {g['name']} k={k}: MAPE {mape:.1f}% (random {random['mape_pct_mean']:.1f}%)")
-    return {
-        "name": g["name"],
-        "k": k,
-        "zero_shot_mape_pct": g["mape_pct"],
-        "suggested_mape_pct": mape,
-        "random_mape_pct_mean": random["mape_pct_mean"],
-        "random_mape_pct_worst": random["mape_pct_worst"],
-        "suggested_rows": [t.e2e[i].row for i in shot],
-        "suggested_clusters": sorted({t.cluster[i] for i in shot}),
-    }
-
-
 def _groups(t: Transfer, quick: bool, names=None) -> list[tuple[str, str, np.ndarray]]:
     """(kind, name, held-out mask) of every group with ``MIN_ROWS`` runs; only the sources with
     ``quick``; only those named in ``names`` when given (an unknown name raises ValueError)."""
@@ -457,8 +388,8 @@ def measure(args) -> dict:
             for k in FEW_SHOT_K:
                 if held.sum() > k + 2:
                     few.append(few_shot(t, g["name"], held, k, 1 if t.quick else DRAWS))
-    plot = _plot(t, preds, Path(args.plots)) if args.plots else None
-    rows_csv = _write_rows(t, preds, Path(args.out).with_name(Path(args.out).stem + "_rows.csv"))
+    plot = plot_zero_shot(t, preds, Path(args.plots)) if args.plots else None
+    rows_csv = write_rows(t, preds, Path(args.out).with_name(Path(args.out).stem + "_rows.csv"))
     s = summary(groups, few)
     return {
         "groups": groups,
@@ -497,69 +428,6 @@ def measure(args) -> dict:
             "seconds": time.perf_counter() - t.t0,
         },
     }
-
-
-def _write_rows(t: Transfer, preds: dict, path: Path) -> str:
-    """Every held-out prediction of the zero-shot groups, one CSV row each."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["group", "row", "source", "cluster", "stack", "model", "seq_len", "n_gpus",
-                    "tp", "pp", "dp", "microbatch", "measured_s", "predicted_s"])  # fmt: skip
-        for (kind, name), (idx, pred, *_) in preds.items():
-            for i, p in zip(idx, pred):
-                r = t.e2e[i]
-                w.writerow([f"{kind}: {name}", r.row, r.source_name, r.cluster.name, r.stack,
-                            r.model.name, r.model.seq_len, r.plan.n_gpus, r.plan.tp, r.plan.pp,
-                            r.plan.dp, r.plan.microbatch, f"{np.exp(t.log_meas[i]):.6g}",
-                            f"{np.exp(p):.6g}"])  # fmt: skip
-    return str(path)
-
-
-def _plot(t: Transfer, preds: dict, outdir: Path) -> str:
-    labels, meas, pred = [], [], []
-    for (kind, name), (idx, p, *_) in preds.items():
-        labels += [f"{kind}: {name}"] * len(idx)
-        meas.append(np.exp(t.log_meas[idx]))
-        pred.append(np.exp(p))
-    outdir.mkdir(parents=True, exist_ok=True)
-    return grouped_pred_meas(
-        outdir / "transfer_zero_shot.png",
-        labels,
-        np.concatenate(meas),
-        np.concatenate(pred),
-        "Zero-shot transfer: each group predicted by a fit that never saw it",
-        "predicted s/iter (held out)",
-    )
-
-
-def print_tables(r: dict) -> None:
-    print(f"{'group':44s} {'rows':>5s} {'MAPE%':>7s} {'bias%':>7s} {'max%':>7s} {'tau':>6s} "
-          f"{'cover%':>7s} {'width%':>7s}")  # fmt: skip
-    for g in r["groups"]:
-        print(
-            f"{g['kind'] + ': ' + g['name']:44s} {g['rows']:5d} {fmt(g['mape_pct']):>7s} "
-            f"{fmt(g['bias_pct']):>7s} {fmt(g['max_ape_pct']):>7s} {fmt(g['kendall_tau'], 3):>6s} "
-            f"{fmt(g['coverage_pct']):>7s} {fmt(g['median_width_pct']):>7s}"
-        )
-    if r["few_shot"]:
-        print(f"\n{'few-shot (refit with k runs of the source)':44s} {'k':>3s} "
-              f"{'MAPE% mean':>11s} {'worst draw':>11s}")  # fmt: skip
-        for f in r["few_shot"]:
-            print(f"{f['name']:44s} {f['k']:3d} {f['mape_pct_mean']:11.1f} "
-                  f"{f['mape_pct_worst']:11.1f}")  # fmt: skip
-    if r["suggested_vs_random"]:
-        print(f"\n{'3 runs refitted: suggested vs random':44s} {'zero-shot':>10s} "
-              f"{'suggested':>10s} {'random':>10s} {'worst':>7s}")  # fmt: skip
-        for f in r["suggested_vs_random"]:
-            cells = (f["zero_shot_mape_pct"], f["suggested_mape_pct"], f["random_mape_pct_mean"])
-            print(f"{f['name']:44s} " + " ".join(f"{c:10.1f}" for c in cells)
-                  + f" {f['random_mape_pct_worst']:7.1f}")  # fmt: skip
-    print("\nsummary: " + ", ".join(f"{k} {fmt(v)}" for k, v in r["summary"].items()))
-    for k, v in r["targets"].items():
-        print(f"  {k:26s} {fmt(v['value'], 2):>8s}  limit {v['limit']}  "
-              f"{'ok' if v['ok'] else 'MISSED'}")  # fmt: skip
-    print(f"total {r['details']['seconds']:.0f} s")
 
 
 def main(argv=None) -> int:

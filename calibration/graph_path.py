@@ -42,6 +42,12 @@ PAD_LOG_STEP = 1.0  # log units between padded grid points past a job's GPU coun
 _GRID_TABLES = ("load", "latency_s")  # the [G * G, ...] tables padding extends
 
 
+def graph_key(record) -> tuple[str, int]:
+    """What an e2e record's graph tables (``graph_arrays``) depend on besides contention and
+    dtype: its cluster (``repr``) and GPU count; records with one key share one routing."""
+    return repr(record.cluster), int(record.plan.n_gpus)
+
+
 def graph_arrays(record, contention: bool = True, dtype=None) -> ClusterArrays:
     """The ``ClusterArrays`` of an e2e record's cluster on its own graph (``topology:
     cluster``) for the record's GPU count, with or without ``contention``."""
@@ -100,7 +106,7 @@ def graph_problem(problem, records, contention: bool = True, dtype=None):
     if len(records) != n_rows:
         raise ValueError(f"graph_problem: {len(records)} records for {n_rows} e2e rows")
     dtype = jnp.result_type(float) if dtype is None else dtype
-    keys = [(repr(r.cluster), int(r.plan.n_gpus)) for r in records]
+    keys = [graph_key(r) for r in records]
     jobs: dict = {}
     for key, r in zip(keys, records):
         if key not in jobs:  # the tables are routed once per cluster and GPU count

@@ -10,8 +10,15 @@ XLA compiles on the CPU with ``diffcost.cache.FAST_CPU_COMPILE`` (LLVM's optimiz
 fusion emitters), set in ``XLA_FLAGS`` before JAX starts its backend, so the workers and the
 command lines a test starts inherit it: the suite's time is mostly compiling gradients of
 ``simulate``, which these options halve (the library's relaxed descent compiles with them too).
-They change how XLA generates the fused loops, not what they compute: results agree to rounding."""
+They change how XLA generates the fused loops, not what they compute: results agree to rounding.
 
+An xdist worker collects its garbage and freezes what is left at the end of its session, before
+it reports back (``pytest_sessionfinish``): pytest's cleanup afterwards runs five full
+collections, which over a worker's heap (a million objects, JAX's caches) took over 5 s, and
+execnet interrupts a worker still running 5 s after the controller closes it (a SIGINT, printed
+as a ``KeyboardInterrupt`` in ``_xla_gc_callback``)."""
+
+import gc
 import os
 import shutil
 import tempfile
@@ -21,6 +28,7 @@ if _FAST_CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_CPU_FLAGS}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -41,3 +49,10 @@ def pytest_unconfigure(config):
     if path is not None:
         os.environ.pop(cache.ENV, None)
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
+def pytest_sessionfinish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the module docstring says why
+        gc.collect()  # pytest's hook still reports what this finalizes
+        gc.freeze()  # pytest's collections after the session skip what is left
