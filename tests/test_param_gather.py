@@ -12,6 +12,7 @@ import pytest
 from helpers import CLUSTER, GPT, arrays, write
 from test_config_checks import load_with
 
+from diffcost import api
 from diffcost.config import ConfigError
 from diffcost.params import default_params
 from diffcost.runs import read_rows, row_to_specs
@@ -22,6 +23,7 @@ from diffcost.specs import PlanSpec
 
 # a slow fabric across two nodes, so the data-parallel collectives are worth seeing
 SLOW = dataclasses.replace(CLUSTER, nic_Gbps=25.0)
+EXAMPLE = "configs/examples/gpt3-175b.yaml"
 ZERO2 = PlanSpec(dp=16, zero=2, microbatch=2, global_batch=64, overlap_dp=False)
 
 
@@ -149,3 +151,19 @@ def test_rows_file_reads_param_gather(tmp_path):
     )
     _, plan, _, _ = row_to_specs(read_rows(path)[0], {})
     assert (plan.zero, plan.param_gather) == (2, "layer")
+
+
+def test_graph_path_prices_per_layer_gathers_as_the_existing_path():
+    """On its cluster's own graph the network path prices a SHARD_GRAD_OP plan within 0.1% of
+    the existing path (its per-layer gathers and scatters included), and contention on the
+    shared links only adds time."""
+    exp = api.load(EXAMPLE, ["plan.zero=2", "plan.param_gather=layer", "cluster.topology=cluster"])
+    model, plan, cluster = api.experiment_arrays(exp)
+    params = api.params_for(exp)[0]
+    alone = cluster.replace(network=cluster.network.replace(contention=False))
+    graph = simulate(model, plan, alone, params)
+    base = simulate(model, plan, cluster.replace(network=None), params)
+    contended = simulate(model, plan, cluster, params)
+    assert float(base.zero_comm_s) > 0.0
+    assert float(graph.iteration_s) == pytest.approx(float(base.iteration_s), rel=1e-3)
+    assert float(contended.iteration_s) >= float(graph.iteration_s)
