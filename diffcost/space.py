@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import typing
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,7 @@ from diffcost.specs import (
     ZERO_STAGES,
     ClusterSpec,
     ModelSpec,
+    ParamGather,
     PlanSpec,
 )
 
@@ -300,6 +302,12 @@ def make_space(
 ) -> Space:
     """A ``Space``, or a ``ConfigError`` saying why the request has no valid plan at all."""
     space = Space(model, cluster, int(n_gpus), int(global_batch), **menus)
+    if space.param_gather not in typing.get_args(ParamGather):
+        raise ConfigError(
+            f"param_gather={space.param_gather!r}: expected 'step' (ZeRO-2 gathers after the "
+            "optimizer step, DeepSpeed) or 'layer' (per layer before its forward, FSDP "
+            "SHARD_GRAD_OP)"
+        )
     if n_gpus < 1:
         raise ConfigError(f"gpus={n_gpus}: need at least 1 GPU")
     if global_batch < 1:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import csv
 import dataclasses
 
 import jax
@@ -13,12 +15,13 @@ from helpers import CLUSTER, GPT, arrays, write
 from test_config_checks import load_with
 
 from diffcost import api
+from diffcost.cli import sweep as sweep_cli
 from diffcost.config import ConfigError
 from diffcost.params import default_params
 from diffcost.runs import read_rows, row_to_specs
 from diffcost.search import bounds_for, decode, random_starts
 from diffcost.simulate import simulate
-from diffcost.space import Space
+from diffcost.space import Space, make_space
 from diffcost.specs import PlanSpec
 
 # a slow fabric across two nodes, so the data-parallel collectives are worth seeing
@@ -167,3 +170,28 @@ def test_graph_path_prices_per_layer_gathers_as_the_existing_path():
     assert float(base.zero_comm_s) > 0.0
     assert float(graph.iteration_s) == pytest.approx(float(base.iteration_s), rel=1e-3)
     assert float(contended.iteration_s) >= float(graph.iteration_s)
+
+
+def test_space_rejects_an_unknown_param_gather():
+    with pytest.raises(ConfigError, match=r"param_gather='forward': expected 'step'.*'layer'"):
+        make_space(GPT, CLUSTER, 16, 64, param_gather="forward")
+
+
+def test_sweep_cli_takes_param_gather(tmp_path):
+    """``diffcost sweep --param-gather layer`` prices the ZeRO-2 plans as SHARD_GRAD_OP: they
+    change, the other stages do not."""
+
+    def run(gather):
+        parser = argparse.ArgumentParser()
+        sweep_cli.add_arguments(parser)
+        out = tmp_path / f"{gather}.csv"
+        argv = ["llama3-8b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "32"]
+        argv += ["--chunk", "512", "--param-gather", gather, "--out", str(out), "--json"]
+        assert sweep_cli.run(parser.parse_args(argv)) == 0
+        with open(out) as fh:
+            return list(csv.DictReader(fh))
+
+    step, layer = run("step"), run("layer")
+    assert [r["zero"] for r in step] == [r["zero"] for r in layer]
+    moved = {r["zero"] for r, q in zip(step, layer) if r["iteration_s"] != q["iteration_s"]}
+    assert moved == {"2"}

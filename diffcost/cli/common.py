@@ -65,6 +65,13 @@ def add_space_arguments(parser: argparse.ArgumentParser, batch_required: bool = 
         "--global-batch", type=int, required=batch_required, help="sequences per iteration"
     )
     parser.add_argument("--seq", type=int, help="sequence length (overrides the model's)")
+    parser.add_argument(
+        "--param-gather",
+        choices=("step", "layer"),
+        default="step",
+        help="ZeRO-2's parameter gather: after the optimizer step (DeepSpeed, the default) or "
+        "per layer before its forward (PyTorch FSDP SHARD_GRAD_OP)",
+    )
 
 
 def check_at_least(flag: str, value: int, least: int) -> None:

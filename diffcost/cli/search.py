@@ -269,7 +269,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--trace: only with --sbp (a transformer plan: predict --trace)")
     if args.global_batch is None:
         raise ConfigError("--global-batch N is required (sequences per iteration)")
-    space = load_space(args.model, args.cluster, args.gpus, args.global_batch, args.seq)
+    space = load_space(
+        args.model,
+        args.cluster,
+        args.gpus,
+        args.global_batch,
+        args.seq,
+        param_gather=args.param_gather,
+    )
     common.check_at_least("--top", args.top, 1)
     params, note = params_for(space.cluster, args.profile)
     steps = args.steps or 150

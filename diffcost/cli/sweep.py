@@ -284,7 +284,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top {args.top}: need 0 or more")
     if args.chunk < 1:
         raise ConfigError(f"--chunk {args.chunk}: need at least 1")
-    space = load_space(args.model, args.cluster, args.gpus, args.global_batch, seq=args.seq)
+    space = load_space(
+        args.model,
+        args.cluster,
+        args.gpus,
+        args.global_batch,
+        seq=args.seq,
+        param_gather=args.param_gather,
+    )
     params, note = params_for(space.cluster, args.profile)
     if not args.json:
         print(f"constants: {note}")
