@@ -61,7 +61,10 @@ FRAMEWORK_DEFAULTS = {
     # distributed optimizer, TE's cuDNN fused attention, overlapped grad reduce and TP comm
     # overlap.
     "NeMo": _MCORE,
-    "Megatron-Bridge": _MCORE,
+    # Megatron-Bridge's performance recipes, which its published runs used, reduce gradients in
+    # bf16 (scripts/performance/configs/llama/llama3*_llm_pretrain.py: set_llama3_common_configs
+    # and set_llama31_common_configs set ddp.grad_reduce_in_fp32 = False).
+    "Megatron-Bridge": dataclasses.replace(_MCORE, grad_reduce_fp32=False),
     "Megatron-Core": _MCORE,
     # Megatron-DeepSpeed (vTrain): no SP, no distributed optimizer, unfused softmax attention;
     # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction), and its
