@@ -80,6 +80,7 @@ class PlanArrays:
     microbatch: jax.Array
     global_batch: jax.Array
     chunks: jax.Array  # virtual stages per pipeline rank
+    split_edges: jax.Array  # [0, 1]: the embedding and the loss take a layer's place each
     sp: jax.Array  # sequence parallel in [0, 1]
     overlap_dp: jax.Array  # [0, 1]
     overlap_tp: jax.Array  # [0, 1]
@@ -196,6 +197,7 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
     return PlanArrays(
         **_copied(plan, (*specs.PLACED_DIMS, "ep", "microbatch", "global_batch"), f),
         chunks=f(plan.chunks if plan.schedule == "interleaved" else 1),
+        split_edges=f(1.0 if plan.split_edges else 0.0),
         sp=f(1.0 if (plan.sequence_parallel and plan.tp > 1) else 0.0),
         overlap_dp=f(1.0 if plan.overlap_dp else 0.0),
         overlap_tp=f(1.0 if plan.overlap_tp else 0.0),

@@ -45,15 +45,26 @@ class FrameworkDefaults:
     selective: tuple[str, float] = ("selective", 1.0)
     # Where its ZeRO-2 gathers the parameters (``PlanSpec.param_gather``)
     param_gather: str = "step"
+    # Layers that do not split evenly over the pipeline stages split evenly with the embedding
+    # and the loss counted as a layer each (``PlanSpec.split_edges``)
+    split_edges: bool = False
 
 
-_MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True)
+# Megatron-Core builds the same number of layers on every virtual stage (it asserts that they
+# divide, megatron/core/transformer/transformer_block.py get_num_layers_to_build); a model whose
+# layers do not, such as Llama 3.1 405B (126 layers) on 8 x 4 or 16 x 8 virtual stages, runs
+# with account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split, as
+# Megatron-Bridge's 405B recipe sets them (recipes/llama/llama31_405b.py, llama3.py).
+_MCORE = FrameworkDefaults(True, 1, "none", "cudnn", True, True, split_edges=True)
 FRAMEWORK_DEFAULTS = {
     # Megatron-Core based (NeMo, Megatron-Bridge, Megatron-LM examples): SP on with tp > 1,
     # distributed optimizer, TE's cuDNN fused attention, overlapped grad reduce and TP comm
     # overlap.
     "NeMo": _MCORE,
-    "Megatron-Bridge": _MCORE,
+    # Megatron-Bridge's performance recipes, which its published runs used, reduce gradients in
+    # bf16 (scripts/performance/configs/llama/llama3*_llm_pretrain.py: set_llama3_common_configs
+    # and set_llama31_common_configs set ddp.grad_reduce_in_fp32 = False).
+    "Megatron-Bridge": dataclasses.replace(_MCORE, grad_reduce_fp32=False),
     "Megatron-Core": _MCORE,
     # Megatron-DeepSpeed (vTrain): no SP, no distributed optimizer, unfused softmax attention;
     # vTrain's configs say use_gradient_bucket=false (no overlapped gradient reduction), and its
@@ -263,8 +274,12 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
     if n_micro := gb / (dp * mb):
         if abs(n_micro - round(n_micro)) > 1e-9:
             used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
-    if model.n_layers % (pp * chunks):
-        used.append(f"layers per stage={model.n_layers / (pp * chunks):.3g} (uneven split)")
+    stages, uneven = pp * chunks, model.n_layers % (pp * chunks) != 0
+    split_edges = uneven and fw.split_edges and pp > 1 and (model.n_layers + 2) % stages == 0
+    if split_edges:
+        used.append(f"split_edges ({model.n_layers} layers + embedding + loss on {stages} stages)")
+    elif uneven:
+        used.append(f"layers per stage={model.n_layers / stages:.3g} (uneven split)")
     return PlanSpec(
         **degrees,
         dp=dp,
@@ -277,6 +292,7 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         global_batch=gb,
         schedule="interleaved" if chunks > 1 else "1f1b",
         chunks=chunks,
+        split_edges=split_edges,
         overlap_dp=fw.overlap_dp,
         overlap_tp=fw.overlap_tp and tp > 1,
         grad_reduce_fp32=fw.grad_reduce_fp32,

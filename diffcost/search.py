@@ -201,6 +201,7 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
         microbatch=mb,
         global_batch=b.global_batch,
         chunks=chunks,
+        split_edges=jnp.zeros_like(b.global_batch),  # the plain split of the layers
         sp=b.sequence_parallel * smooth.clip_exact(tp - 1.0, 0.0, 1.0),
         overlap_dp=b.overlap_dp,
         overlap_tp=b.overlap_tp,

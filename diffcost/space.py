@@ -271,6 +271,7 @@ class Space:
             microbatch=f("microbatch"),
             global_batch=np.full(n, float(self.global_batch)),
             chunks=f("chunks"),
+            split_edges=np.zeros(n),  # the plain split of the layers
             sp=np.where(tp > 1, float(self.sequence_parallel), 0.0),
             overlap_dp=np.full(n, float(self.overlap_dp)),
             overlap_tp=np.full(n, float(self.overlap_tp)),

@@ -152,6 +152,10 @@ class PlanSpec:
     global_batch: int = 1
     schedule: Schedule = "1f1b"
     chunks: int = 1  # virtual pipeline stages per rank (interleaved schedule)
+    # The embedding and the loss each take one layer's place in the pipeline split
+    # (Megatron-Core's account_for_embedding_in_pipeline_split and _loss_): every stage has
+    # ``(n_layers + 2) / pp`` places, so the first and the last run one layer fewer
+    split_edges: bool = False
     overlap_dp: bool = True
     overlap_tp: bool = False
     # ZeRO 0-2 gradients are accumulated and reduced in fp32 (Megatron's main_grad with bf16);

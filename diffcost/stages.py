@@ -458,9 +458,10 @@ def _head_s(kernel: kernels.KernelTimes, comms: CommTimes, work, model, plan, pa
 def stage_s(layer_parts, kernel, comms: CommTimes, work, model, plan, cluster, params):
     """Forward, backward and work split of one microbatch on each stage kind.
 
-    Every stage runs ``layers / pp`` layers; the first adds the embedding, the last the LM
-    head and loss (a single stage has both). Every stage runs the schedule's host step (batch
-    fetch, loss bookkeeping, Python) once per microbatch, whatever its layers and model chunks.
+    Every stage runs ``layers / pp`` layers (``stage_layers``); the first adds the embedding,
+    the last the LM head and loss (a single stage has both). Every stage runs the schedule's
+    host step (batch fetch, loss bookkeeping, Python) once per microbatch, whatever its layers
+    and model chunks.
 
     Args:
         layer_parts: ``layer_parts_s``, [2, 5].
@@ -470,7 +471,7 @@ def stage_s(layer_parts, kernel, comms: CommTimes, work, model, plan, cluster, p
     Returns:
         (forward [3], backward [3], parts [3, 5]) seconds per stage kind (first, middle, last).
     """
-    layers = model.n_layers / plan.pp
+    layers = stage_layers(model, plan)
     emb_grad = grad_bytes(plan) * (1.0 - work.lora)  # a frozen embedding has no gradient
     emb_bytes = 2.0 * work.tokens * model.hidden * jnp.stack([ACT_BYTES, emb_grad])
     emb_fwd, emb_bwd = kernels.memory_bound_s(emb_bytes, cluster, params)
@@ -479,15 +480,26 @@ def stage_s(layer_parts, kernel, comms: CommTimes, work, model, plan, cluster, p
     )
     head_total = head_fwd + head_bwd + loss_fwd + loss_bwd + loss_comm
     single = 1.0 - multi_stage(plan.pp)
-    mid_fwd, mid_bwd = layers * jnp.sum(layer_parts, axis=1)
-    first_fwd = mid_fwd + emb_fwd + single * (head_fwd + loss_fwd)
-    fwd = jnp.stack([first_fwd, mid_fwd, mid_fwd + head_fwd + loss_fwd])
+    layer_fwd, layer_bwd = jnp.sum(layer_parts, axis=1)
+    head_fwd, head_bwd = head_fwd + loss_fwd, head_bwd + loss_bwd + loss_comm
+    none = 0.0 * head_total
+    fwd = layers * layer_fwd + jnp.stack([emb_fwd + single * head_fwd, none, head_fwd])
     fwd = fwd + params.microbatch_overhead_s
-    first_bwd = mid_bwd + emb_bwd + single * (head_bwd + loss_bwd + loss_comm)
-    bwd = jnp.stack([first_bwd, mid_bwd, mid_bwd + head_bwd + loss_bwd + loss_comm])
-    extras = jnp.stack([emb_fwd + emb_bwd + single * head_total, 0.0 * head_total, head_total])
-    parts = jnp.broadcast_to(layers * jnp.sum(layer_parts, axis=0), (3, 5)).at[:, 0].add(extras)
+    bwd = layers * layer_bwd + jnp.stack([emb_bwd + single * head_bwd, none, head_bwd])
+    extras = jnp.stack([emb_fwd + emb_bwd + single * head_total, none, head_total])
+    parts = (layers[:, None] * jnp.sum(layer_parts, axis=0)).at[:, 0].add(extras)
     return fwd, bwd, parts
+
+
+def stage_layers(model, plan):
+    """Transformer layers of one stage of each kind ([3]: first, middle, last): ``n_layers /
+    pp``; with ``split_edges`` (Megatron-Core's ``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split``) every stage has ``(n_layers + 2) / pp`` places and
+    the embedding takes one of the first stage's, the loss one of the last's. One stage keeps
+    every layer."""
+    edges = plan.split_edges * multi_stage(plan.pp)
+    places = (model.n_layers + 2.0 * edges) / plan.pp
+    return places - jnp.stack([edges, 0.0 * edges, edges])
 
 
 # --- data-parallel sync and optimizer -----------------------------------------------------------

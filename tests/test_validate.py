@@ -64,6 +64,16 @@ def test_megatron_deepspeed_rows_reduce_16_bit_gradients():
     assert not any("grad_reduce_fp32" in d for d in rows[2]["defaults"])
 
 
+def test_megatron_bridge_rows_reduce_bf16_gradients():
+    """Megatron-Bridge's performance recipes set grad_reduce_in_fp32 = False: a Bridge row
+    reduces 2-byte gradients and says so; the same row in NeMo keeps fp32."""
+    row = dict(read_rows(E2E)[2], framework="Megatron-Bridge (Megatron-Core)")
+    _, plan, _, used = row_to_specs(row, {})
+    assert not plan.grad_reduce_fp32 and "grad_reduce_fp32=False" in used
+    _, plan, _, used = row_to_specs(read_rows(E2E)[2], {})
+    assert plan.grad_reduce_fp32 and "grad_reduce_fp32=False" not in used
+
+
 @pytest.mark.parametrize(
     "framework, expected",
     [("torchtitan (PyTorch FSDP2)", ("full", 0.5)), ("NeMo", ("selective", 1.0))],
