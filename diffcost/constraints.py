@@ -10,7 +10,8 @@ The parallel dimensions appear in ``PLACED_DIMS`` order (tp, cp, dp, pp) through
 The quantities (one mapping, keys below; the builders make it from specs, arrays or a request):
 
 =================  ==========================================================================
-``heads``          attention heads; ``kv_heads`` key/value heads; ``n_layers``; ``seq_len``
+``heads``          attention heads; ``kv_heads`` key/value heads; ``n_layers`` (plus 2 with a
+                   plan's ``split_edges`` over pp > 1: the places it splits); ``seq_len``
 ``experts``        experts per MoE layer (1 for a dense model)
 ``peak_flops``     the GPU's peak at the model's precision (0 where it has none)
 ``tp cp dp pp ep`` parallel degrees; ``microbatch``; ``global_batch``; ``chunks``
@@ -177,8 +178,11 @@ def _heads_message(q: Quantities, model: ModelSpec, cluster: ClusterSpec) -> str
 def _layers_message(q: Quantities, model: ModelSpec, cluster: ClusterSpec) -> str:
     n_layers, pp, chunks = (q[k] for k in ("n_layers", "pp", "chunks"))
     valid = join(d // chunks for d in divisors(n_layers) if d % chunks == 0)
+    what = f"n_layers={n_layers}"
+    if n_layers != model.n_layers:  # split_edges: the embedding and the loss take a place each
+        what = f"n_layers + 2 = {model.n_layers} + 2 = {n_layers} (split_edges)"
     return (
-        f"n_layers={n_layers} is not divisible by pp*chunks = {pp}*{chunks} = {pp * chunks}; "
+        f"{what} is not divisible by pp*chunks = {pp}*{chunks} = {pp * chunks}; "
         f"valid pp values for chunks={chunks}: {valid or 'none (chunks must divide n_layers)'}"
     )
 
@@ -397,6 +401,8 @@ def spec_quantities(
         n_microbatches=plan.n_microbatches,
         n_gpus=plan.n_gpus,
     )
+    if plan.split_edges and plan.pp > 1:  # the places the pipeline split divides
+        q["n_layers"] = model.n_layers + 2
     return q
 
 

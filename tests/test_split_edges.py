@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import CLUSTER, LLAMA, arrays
+from test_config_checks import load_with
 
+from diffcost.config import ConfigError
 from diffcost.params import default_params
 from diffcost.runs import read_rows, row_to_specs
 from diffcost.simulate import simulate
@@ -78,3 +80,21 @@ def test_rows_that_megatron_core_cannot_split_evenly(framework, layers, expected
     assert plan.split_edges == (expected is not None and expected.startswith("split_edges"))
     notes = [u for u in used if u.startswith(("split_edges", "layers per stage"))]
     assert notes == ([expected] if expected else [])
+
+
+def test_config_checks_the_places_split_edges_divides(tmp_path):
+    """A config may run Llama 3.1 405B's 126 layers on 8 stages with ``split_edges`` (128
+    places), and the layer rule names the places when they do not divide."""
+    plan = "{tp: 8, pp: 8, dp: 1, global_batch: 64, split_edges: true}"
+    assert load_with(tmp_path, plan, model="llama3-405b").plan.split_edges
+    with pytest.raises(ConfigError, match=r"n_layers=126 is not divisible by pp\*chunks = 8\*1"):
+        load_with(tmp_path, "{tp: 8, pp: 8, dp: 1, global_batch: 64}", model="llama3-405b")
+    with pytest.raises(
+        ConfigError, match=r"n_layers \+ 2 = 126 \+ 2 = 128 \(split_edges\) is not divisible by"
+    ):
+        load_with(
+            tmp_path,
+            "{tp: 8, pp: 6, global_batch: 60, split_edges: true}",
+            model="llama3-405b",
+            cluster="dgx-h100",
+        )
