@@ -101,7 +101,7 @@ class Space:
     overlap_dp: bool = True
     overlap_tp: bool = False
     grad_reduce_fp32: bool = True
-    param_gather: str = "step"  # ``PlanSpec.param_gather`` of the ZeRO-2 choices
+    param_gather: ParamGather = "step"  # ``PlanSpec.param_gather`` of the ZeRO-2 choices
     lora_rank: int | None = None  # LoRA fine-tuning (``PlanSpec.lora_rank``), fixed for all
     lora_modules: str = "attention"
 

@@ -517,11 +517,11 @@ def dp_sync_s(comms: CommTimes, plan: PlanArrays):
     zero = plan.zero
     sharded = zero[1] + zero[2]
     per_step = sharded - layer_sharded(plan)
-    sync = zero[0] * comms.all_reduce_s + sharded * comms.reduce_scatter_s  # dense, expert, emb
-    layer_sync = zero[0] * comms.all_reduce_s + per_step * comms.reduce_scatter_s
+    scattered = jnp.stack([per_step, per_step, sharded])  # dense, expert, embedding
+    sync = zero[0] * comms.all_reduce_s + scattered * comms.reduce_scatter_s
     gather_after = per_step * (1.0 - plan.overlap_dp) * comms.stage_gather_s
     after = jnp.stack([gather_after + sync[2], gather_after, gather_after + sync[2]])
-    return layer_sync[0] + layer_sync[1], after
+    return sync[0] + sync[1], after
 
 
 def optimizer_step_s(work: LayerWork, model, plan, cluster, params: Params):
