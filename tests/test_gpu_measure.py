@@ -1,5 +1,5 @@
-"""benchmarks/gpu_measure.py writes files the readers take, and the H100 measurements kept in
-benchmarks/results/h100/ stay readable."""
+"""benchmarks/gpu_measure.py writes files the readers take, and the H100 and H200 measurements
+kept in benchmarks/results/h100/ and h200/ stay readable."""
 
 import csv
 import importlib.util
@@ -63,7 +63,8 @@ def test_dispatch_bound_rows_left_out(tiny, monkeypatch, tmp_path):
     assert len(meta["failures"]) == 4 + 1 + 2 and all("dispatch" in f for f in meta["failures"])
 
 
-def test_h100_measurements_read():
-    meas = load(_DIR / "results" / "h100")
-    counts = (len(meas.gemms), len(meas.attention), len(meas.memory), len(meas.e2e))
-    assert counts == (41, 32, 3, 24) and not meas.skipped
+@pytest.mark.parametrize("name,counts", [("h100", (41, 32, 3, 24)), ("h200", (45, 32, 4, 19))])
+def test_measurements_read(name, counts):
+    meas = load(_DIR / "results" / name)
+    got = (len(meas.gemms), len(meas.attention), len(meas.memory), len(meas.e2e))
+    assert got == counts and not meas.skipped

@@ -1,8 +1,8 @@
 """How well diffcost predicts a software stack and machine none of its profiles was fitted on:
-JAX training steps measured on one H100 (``benchmarks/results/h100/``, written by
+JAX training steps measured on one GPU (``benchmarks/results/h100/`` and ``h200/``, written by
 ``benchmarks/gpu_measure.py``; never part of the shared data or of any shipped profile).
 
-    python benchmarks/h100_check.py [--json] [--draws 3]
+    python benchmarks/gpu_check.py [--set h100|h200] [--json] [--draws 3]
 
 Three paths a user takes, each scored on the measured steps' time (MAPE, signed mean error,
 Kendall tau, 80% interval coverage) and peak memory (MAPE):
@@ -32,9 +32,8 @@ from diffcost.cli import main as diffcost_main
 from diffcost.validate import validate
 
 HERE = Path(__file__).resolve().parent
-DATA = HERE / "results" / "h100"
-OUT = HERE / "results" / "h100_check.json"
-CLUSTER = "generic-h100"
+# set -> (measurements, the cluster their rows name and every calibration uses)
+SETS = {"h100": ("h100", "generic-h100"), "h200": ("h200", "dgx-h200")}
 
 
 def _score(result: dict) -> dict:
@@ -53,8 +52,8 @@ def _score(result: dict) -> dict:
     }
 
 
-def _calibrate(files: list[Path], out: Path) -> None:
-    argv = ["calibrate", *map(str, files), "--cluster", CLUSTER, "--out", str(out), "--json"]
+def _calibrate(files: list[Path], out: Path, cluster: str) -> None:
+    argv = ["calibrate", *map(str, files), "--cluster", cluster, "--out", str(out), "--json"]
     with contextlib.redirect_stdout(io.StringIO()):
         code = diffcost_main(argv)
     if code != 0:
@@ -68,17 +67,19 @@ def _write_rows(path: Path, header: list[str], rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def run(draws: int) -> dict:
-    e2e, kernels = DATA / "e2e.csv", DATA / "kernels.csv"
+def run(name: str, draws: int) -> dict:
+    folder, cluster = SETS[name]
+    data = HERE / "results" / folder
+    e2e, kernels = data / "e2e.csv", data / "kernels.csv"
     with open(e2e, newline="") as fh:
         reader = csv.DictReader(fh)
         header, rows = list(reader.fieldnames), list(reader)
-    out = {"data": str(DATA.relative_to(HERE.parent)), "cluster": CLUSTER}
+    out = {"data": str(data.relative_to(HERE.parent)), "cluster": cluster}
     out["zero_shot"] = _score(validate(e2e))
     print(f"zero-shot: {out['zero_shot']['mape_pct']:.1f}%", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        _calibrate([kernels], tmp / "kernels.yaml")
+        _calibrate([kernels], tmp / "kernels.yaml", cluster)
         out["kernel_tables"] = _score(validate(e2e, profile=str(tmp / "kernels.yaml")))
         print(f"kernel tables: {out['kernel_tables']['mape_pct']:.1f}%", file=sys.stderr)
         out["few_shot"] = []
@@ -91,7 +92,7 @@ def run(draws: int) -> dict:
                 _write_rows(
                     tmp / "test.csv", header, [r for i, r in enumerate(rows) if i not in pick]
                 )
-                _calibrate([kernels, tmp / "train.csv"], tmp / "few.yaml")
+                _calibrate([kernels, tmp / "train.csv"], tmp / "few.yaml", cluster)
                 scores.append(_score(validate(tmp / "test.csv", profile=str(tmp / "few.yaml"))))
                 print(f"k={k} draw {d}: {scores[-1]['mape_pct']:.1f}%", file=sys.stderr)
             mapes = [s["mape_pct"] for s in scores]
@@ -110,11 +111,16 @@ def run(draws: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--set", choices=tuple(SETS), default="h100", help="which GPU's steps")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--draws", type=int, default=3, help="random draws per few-shot k")
-    p.add_argument("--out", default=str(OUT), help="results JSON ('' none)")
+    p.add_argument(
+        "--out", default=None, help="results JSON ('' none; default results/SET_check.json)"
+    )
     args = p.parse_args(argv)
-    res = run(args.draws)
+    if args.out is None:
+        args.out = str(HERE / "results" / f"{args.set}_check.json")
+    res = run(args.set, args.draws)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if args.json:
