@@ -10,8 +10,11 @@ jax, optax and numpy are installed). Writes, under ``--out``:
   memory-bound kernels, in the SimuMax kernel-table format (``shared/data/README.md`` section
   3b; ``calibration.simumax`` reads it): ``efficiency`` against the cluster's dense bf16 peak
   (``--peak-tflops``) or, for memory rows, against ``--hbm-GBps`` counted in GiB/s as SimuMax
-  counts it. Attention FLOPs follow SimuMax's full-square count; the backward time is the
-  forward-plus-backward program's time minus the forward's.
+  counts it. ``load`` is ``sustained``: the kernels run back to back, and a GPU at its power
+  limit settles at its training-step clock within a second of load
+  (``benchmarks/results/h200/overlap/clocks.csv``). Attention FLOPs follow SimuMax's
+  full-square count; the backward time is the forward-plus-backward program's time minus the
+  forward's.
 * ``e2e.csv``: GPT training steps (pre-LayerNorm, GELU MLP of 4 x hidden, tied embeddings,
   fp32 master weights and AdamW state, bf16 matrix products, layers under ``lax.scan``), in
   the ``calibration.csv`` format with ``measured_peak_mem_gib`` added (``--e2e-set`` picks one
@@ -52,7 +55,7 @@ DISPATCH_MARGIN = 2.0
 KERNEL_COLUMNS = (
     "source,gpu,cluster,op,batch,groups,m,n,k,layout,accumulate,dtype,out_dtype,stage,seq_len,"
     "heads,kv_heads,qk_head_dim,v_head_dim,qkv_contiguous,peak_tflops,efficiency,tflops,"
-    "bandwidth_GBps,derived_fields,notes,source_ref"
+    "bandwidth_GBps,derived_fields,notes,source_ref,load"
 ).split(",")
 E2E_COLUMNS = (
     "source,model,n_layers,hidden,ffn_hidden,heads,kv_heads,seq_len,vocab,n_gpus,gpus_per_node,"
@@ -179,7 +182,7 @@ class Run:
 def _kernel_row(run, **kw) -> dict:
     row = dict.fromkeys(KERNEL_COLUMNS, "")
     row.update(source=SOURCE, gpu=run.gpu, cluster=run.args.cluster, dtype="bf16")
-    row.update(source_ref=REF, **kw)
+    row.update(source_ref=REF, load="sustained", **kw)
     return row
 
 

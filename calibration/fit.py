@@ -167,13 +167,6 @@ def _collective_time(kind, size, group_size, per_node, cluster, params, temperat
     return jnp.sum(kind * times)
 
 
-def _gemm_time(m, n, k, precision, cluster, params, log_eff, temperature):
-    """One GEMM kernel as the model times it, plus the per-kernel gap."""
-    rate = jnp.sum(precision * cluster.peak_flops) * jnp.sum(precision * params.gemm_eff)
-    t = kernels.gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature, log_eff)
-    return t + params.kernel_overhead_s
-
-
 @dataclasses.dataclass
 class Problem:
     """Measurements as arrays plus the index of every device and cluster row."""
@@ -256,6 +249,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             "n": np.array([g.n for g in gemms], dtype=float),
             "k": np.array([g.k for g in gemms], dtype=float),
             "precision": np.eye(len(PRECISIONS))[[PRECISIONS.index(g.precision) for g in gemms]],
+            "sustained": np.array([g.sustained for g in gemms], dtype=float),
             "cluster": stack([s[1] for s in specs]),
             "d": np.array([idx(families, g.gpu) for g in gemms]),
             "c": np.array([idx(clusters, FAMILY_CLUSTER[g.gpu]) for g in gemms]),
@@ -318,10 +312,9 @@ def predict_log(dev_tab, clu_tab, data, temperature):
         d = data["gemm"]
         flat, params = _shared_grid(dev_tab, clu_tab, d)
         log_eff = kernels.shape_log_eff(flat, d["m"], d["n"], d["k"], row=d["grid"])
-        run = jax.vmap(lambda *a: _gemm_time(*a, temperature))
-        out["gemm"] = jnp.log(
-            run(d["m"], d["n"], d["k"], d["precision"], d["cluster"], params, log_eff)
-        )
+        run = jax.vmap(lambda *a: kernel_levels.gemm_time(*a, temperature))
+        args = (d["m"], d["n"], d["k"], d["precision"], d["sustained"], d["cluster"])
+        out["gemm"] = jnp.log(run(*args, params, log_eff))
     for level in KERNEL_LEVELS:
         if level in data:
             d = data[level]

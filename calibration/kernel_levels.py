@@ -1,5 +1,6 @@
-"""The kernel levels of the fit beside GEMMs: fused attention kernels and memory-bound transfers.
+"""The kernel levels of the fit: GEMMs, fused attention kernels and memory-bound transfers.
 
+``gemm_time`` is how the GEMM level (built by ``calibration.fit.build_problem``) times a row.
 ``build`` turns records into the arrays of ``calibration.fit.Problem`` (levels ``"attn"`` and
 ``"mem"``), ``predict_log`` gives the model's log time of each row. Attention kernels are timed
 as the model times a layer's fused attention (``diffcost.kernels.fused_attention_s``) at the
@@ -25,12 +26,23 @@ from diffcost.workload import attention_shape
 KERNEL_LEVELS = ("attn", "mem")
 
 
-def attention_time(flops, n_bytes, shape, stage, cluster, params, temperature):
+def gemm_time(m, n, k, precision, sustained, cluster, params, log_eff, temperature):
+    """One GEMM kernel as the model times it, plus the per-kernel gap; a kernel timed under
+    sustained load (``sustained`` 1) runs at a training step's rate (``step_compute``)."""
+    rate = jnp.sum(precision * cluster.peak_flops) * jnp.sum(precision * params.gemm_eff)
+    rate = rate * (1.0 + sustained * (params.step_compute - 1.0))
+    t = kernels.gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature, log_eff)
+    return t + params.kernel_overhead_s
+
+
+def attention_time(flops, n_bytes, shape, stage, sustained, cluster, params, temperature):
     """One fused (cuDNN / Transformer Engine) attention kernel as the model times it
     (``kernels.fused_attention_s`` at the 16-bit rate and the shape's efficiency), forward
-    (``stage`` 0) or backward (1), plus the per-kernel gap."""
+    (``stage`` 0) or backward (1), plus the per-kernel gap; a kernel timed under sustained load
+    (``sustained`` 1) runs at a training step's rate (``step_compute``)."""
     bf16 = PRECISIONS.index("bf16")
-    rate = jnp.maximum(cluster.peak_flops[bf16] * params.gemm_eff[bf16], 1.0)
+    step = 1.0 + sustained * (params.step_compute - 1.0)
+    rate = jnp.maximum(cluster.peak_flops[bf16] * params.gemm_eff[bf16] * step, 1.0)
     eff = params.attention_eff(0.0, shape)
     t = kernels.fused_attention_s(flops, n_bytes, rate, eff, cluster, params, temperature)
     return t[stage] + params.kernel_overhead_s
@@ -64,6 +76,7 @@ def build(meas: Measurements, families, clusters, cl, idx) -> dict:
             "bytes": ACT_BYTES * b * s * hd * (2.0 * h + 2.0 * kv),
             "shape": np.asarray(attention_shape(s, hd, b * h, h / kv)),
             "stage": np.array([a.stage == "bwd" for a in attn], dtype=np.int32),
+            "sustained": np.array([a.sustained for a in attn], dtype=float),
             "cluster": stack([sp[1] for sp in specs]),
             "d": np.array([idx(families, a.gpu) for a in attn]),
             "c": np.array([idx(clusters, FAMILY_CLUSTER[a.gpu]) for a in attn]),
@@ -87,7 +100,8 @@ def predict_log(level: str, d: dict, params, temperature):
     per-row ``params``."""
     if level == "attn":
         run = jax.vmap(lambda *a: attention_time(*a, temperature))
-        return jnp.log(run(d["flops"], d["bytes"], d["shape"], d["stage"], d["cluster"], params))
+        args = (d["flops"], d["bytes"], d["shape"], d["stage"], d["sustained"], d["cluster"])
+        return jnp.log(run(*args, params))
     return jnp.log(jax.vmap(kernels.memory_bound_s)(d["bytes"], d["cluster"], params))
 
 

@@ -89,6 +89,7 @@ class GemmRecord:
     where: Source
     dtype: str = ""  # element types as the file writes them, e.g. "f8e4m3fnxf8e5m2->bf16"
     source_name: str = ""  # CSV 'source' column
+    sustained: bool = False  # timed under sustained load (SimuMax table column 'load')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,7 @@ class AttentionRecord:
     time_s: float
     where: Source
     source_name: str = ""
+    sustained: bool = False  # timed under sustained load (SimuMax table column 'load')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,12 @@ of a new machine and no training run on it:
   - ``memory_default``: a :class:`MemoryRecord` of one GiB moved at ``efficiency`` times the
     row's bandwidth. SimuMax counts that bandwidth in GiB/s (``gbps * 1024**3`` in its
     ``compute_mem_access_time``), so the rate is ``efficiency * bandwidth_GBps * 2^30`` B/s.
+  - An optional column ``load`` says how the GEMM and attention rows were timed: ``burst``
+    (blank; kernels timed alone on a cool GPU, as SimuMax's and XLA's tables are) or
+    ``sustained`` (back to back until the clock settles under the power limit, as
+    ``benchmarks/gpu_measure.py`` times them). A sustained row is compared with the model's
+    kernel at a training step's rate (``step_compute``, which otherwise scales only the
+    end-to-end runs' kernels), so such a table does not count the clock drop twice.
   - skipped with the reason: ``grouped_gemm`` (the model times MoE expert GEMMs as dense
     GEMMs of the routed tokens; a grouped kernel's efficiency would pull the dense GEMM
     constants), ``*_default`` (SimuMax's fallback factors for shapes not in its table: means
@@ -56,6 +62,7 @@ of a new machine and no training run on it:
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 
 from calibration.records import (
@@ -91,6 +98,7 @@ _SKIPPED_OPS = {
     "memory_permute_fwd": "MoE token permutation: no such kernel in the model",
     "memory_permute_bwd": "MoE token permutation: no such kernel in the model",
 }
+LOADS = ("burst", "sustained")  # column 'load': how a kernel row was timed
 MEMORY_BYTES = float(2**30)  # the transfer a memory row is turned into
 GIB = float(2**30)  # SimuMax's GB/s are GiB/s (``gbps * 1024**3``)
 DERIVED_SIZES = tuple(float(2**e) for e in range(16, 31))
@@ -169,6 +177,18 @@ def _attention(table, row, line, where, peak) -> AttentionRecord:
     )
 
 
+def _sustained(table, row, line) -> bool:
+    """Whether the row was timed under sustained load (column ``load``; blank: burst)."""
+    value = (row.get("load") or "burst").strip().lower()
+    if value not in LOADS:
+        raise ReaderError(
+            table.path,
+            line,
+            f"column 'load': {row.get('load')!r} is not one of {', '.join(LOADS)} (blank: burst)",
+        )
+    return value == "sustained"
+
+
 def _memory(table, row, line, where) -> MemoryRecord:
     bandwidth = _positive(table, row, line, "bandwidth_GBps") * GIB
     rate = _positive(table, row, line, "efficiency") * bandwidth
@@ -204,6 +224,7 @@ def read_simumax_kernels(path) -> Measurements:
             peak = _positive(table, row, line, "peak_tflops") * 1e12
             read = _gemm if op == "gemm" else _attention
             record = read(table, row, line, where, peak)
+            record = dataclasses.replace(record, sustained=_sustained(table, row, line))
             family_peak = family_peak_flops(record.gpu, "bf16")
             if family_peak is not None and abs(peak / family_peak - 1.0) > 1e-6:
                 raise ReaderError(

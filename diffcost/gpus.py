@@ -18,6 +18,7 @@ _GPU_RE = re.compile(r"(?<![a-z0-9])(gb\d{3}|gh\d{3}|mi\d{3}|[abhlvt]\d{2,3})", 
 # A cluster preset whose GPU facts stand for a GPU family in kernel-only measurements.
 FAMILY_CLUSTER = {
     "h100": "generic-h100",
+    "h200": "dgx-h200",  # the one H200 preset
     "b200": "generic-b200",
     "mi350": "generic-mi350",
     "a100": "generic-a100-80g",

@@ -170,11 +170,13 @@ class Constant:
 # magnitude: the A100 all-reduce tables fit ~0.5 TB/s); PyTorch eager dispatch costs ~10 us of
 # CPU per op with autograd, so small layers are bound by the host, not the GPU.
 # ``step_compute`` scales the GEMM and attention rates of a training step's kernels (not of a
-# kernel measured alone: GEMM and attention tables, ``diffcost.microbench``): a GPU running a
-# training step sustains lower clocks under its power limit than in a short microbenchmark and
-# shares its SMs with communication kernels, and that is the device's, whatever the software.
-# It defaults to 1 (no difference until end-to-end runs and kernel tables of one family
-# disagree); its width, 0.3 in log, is the order of the clock and SM-sharing losses.
+# kernel measured alone on a cool GPU: GEMM and attention tables, ``diffcost.microbench``): a
+# GPU running a training step sustains lower clocks under its power limit than in a short
+# microbenchmark, and that is the device's, whatever the software (one H200: 0.83 of the first
+# 50 ms of 8192^3 GEMMs within 1.4 s, benchmarks/results/h200/). SM sharing with overlapped
+# communication kernels is ``interference``'s. It defaults to 1 (no difference until
+# end-to-end runs and kernel tables of one family disagree); its width, 0.3 in log, is the
+# order of the clock loss.
 # Prior widths (``prior_sd``) are in the raw units the fit moves (natural log for positive
 # constants, logit for fractions): how far a datasheet-style value is plausibly off. Link
 # efficiencies are well known from nccl-tests (0.8 -> 0.66-0.89 at one width); kernel

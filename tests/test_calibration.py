@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from calibration import fit as fit_mod
+from calibration import kernel_levels
 from calibration.command import moved as calibrate_moved
 from calibration.records import CollectiveRecord, GemmRecord, Measurements, Source
 from diffcost import kernels
@@ -303,7 +304,7 @@ def test_fit_learns_a_slow_gemm_shape():
         for m in (512, 1024, 2048):
             for n in (1024, 2048, 4096):
                 for k in (2048, 4096, 8192):
-                    t = float(fit_mod._gemm_time(m, n, k, prec, cluster, p0, 0.0, 1e-3))
+                    t = float(kernel_levels.gemm_time(m, n, k, prec, 0.0, cluster, p0, 0.0, 1e-3))
                     slower = (m, n, k) == slow and precision == "bf16"
                     records.append(
                         GemmRecord(

@@ -44,6 +44,7 @@ def test_written_files_read_back(tiny, tmp_path):
     assert gm.main(["--out", str(tmp_path), "--steps", "2"]) == 0
     meas = load(tmp_path)
     assert (len(meas.gemms), len(meas.attention), len(meas.memory), len(meas.e2e)) == (4, 2, 2, 2)
+    assert all(r.sustained for r in meas.gemms + meas.attention)  # timed back to back
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["failures"] == [] and meta["rows"] == {"kernels": 8, "e2e": 2}
     rows = list(csv.DictReader(open(tmp_path / "e2e.csv")))

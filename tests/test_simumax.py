@@ -206,7 +206,7 @@ def test_attention_kernel_time_gradient_is_finite():
     shape = attention_shape(8192.0, 64.0, 16.0, 8.0)  # off the reference in every term
 
     def log_time(p, stage):
-        t = kernel_levels.attention_time(4e12, 1e9, shape, stage, cluster, p, 1e-3)
+        t = kernel_levels.attention_time(4e12, 1e9, shape, stage, 0.0, cluster, p, 1e-3)
         return jnp.log(t)
 
     for stage in (0, 1):
@@ -255,7 +255,7 @@ def _synthetic_attention() -> Measurements:
         n_bytes = 2.0 * s * d * (2 * h + 2 * h / g)
         shape = attention_shape(float(s), float(d), float(h), float(g))
         t = kernel_levels.attention_time(
-            flops, n_bytes, shape, int(stage == "bwd"), cluster, params, 1e-3
+            flops, n_bytes, shape, int(stage == "bwd"), 0.0, cluster, params, 1e-3
         )
         records.append(
             AttentionRecord(
