@@ -373,98 +373,96 @@ def _model_flops(layers, h, s, vocab, tokens):
     return 72.0 * tokens * layers * h * h * (1 + s / (6 * h) + vocab / (12 * h * layers))
 
 
+def _train_step_times(run, layers, h, s, vocab, mb, heads, recompute):
+    """(median step seconds, every timed step's seconds, XLA's assigned peak bytes or None) of
+    one GPT configuration: 3 warm-up steps, then ``--steps`` timed ones."""
+    params = gpt_init(jax.random.PRNGKey(2), layers, h, s, vocab)
+    opt = optax.adamw(1e-4)
+    state = opt.init(params)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (mb, s), 0, vocab)
+    loss = functools.partial(gpt_loss, heads=heads, impl=run.impl, recompute=recompute)
+
+    def step(params, state, tokens):
+        value, grads = jax.value_and_grad(loss)(params, tokens)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens).compile()
+    mem = compiled.memory_analysis()
+    peak = None
+    if mem is not None:
+        peak = (
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes
+        )
+    for _ in range(3):
+        params, state, value = compiled(params, state, tokens)
+    jax.block_until_ready(value)
+    times = []
+    for _ in range(run.args.steps):
+        t0 = time.perf_counter()
+        params, state, value = compiled(params, state, tokens)
+        jax.block_until_ready(value)
+        times.append(time.perf_counter() - t0)
+    if not np.isfinite(float(value)):
+        raise FloatingPointError(f"loss {float(value)}")
+    return float(np.median(times)), times, peak
+
+
+def _e2e_row(run, model, layers, h, s, vocab, mb, heads, recompute, measured) -> dict:
+    """One ``e2e.csv`` row of a configuration and its ``_train_step_times``."""
+    t, times, peak = measured
+    row = dict.fromkeys(E2E_COLUMNS, "")
+    row.update(
+        source=SOURCE,
+        model=model,
+        n_layers=layers,
+        hidden=h,
+        ffn_hidden=4 * h,
+        heads=heads,
+        kv_heads=heads,
+        seq_len=s,
+        vocab=vocab,
+        n_gpus=1,
+        gpus_per_node=1,
+        cluster=run.args.cluster,
+        precision="bf16",
+        framework="JAX (XLA; fp32 master weights, optax AdamW)",
+        **dict.fromkeys(("tp", "pp", "dp", "cp", "ep", "interleave_chunks"), 1),
+        sp=0,
+        zero=0,
+        recompute=recompute,
+        microbatch=mb,
+        global_batch=mb,
+        measured_iter_s=t,
+        measured_tflops_per_gpu=_model_flops(layers, h, s, vocab, mb * s) / t / 1e12,
+        measured_peak_mem_gib="" if peak is None else peak / 2**30,
+        derived_fields="measured_tflops_per_gpu (Megatron's 72-FLOP formula / time); "
+        "measured_peak_mem_gib (XLA buffer assignment: arguments + outputs + "
+        "temporaries - aliased)",
+        notes=f"{run.gpu}; one GPU; median of {run.args.steps} steps after 3 warm-up; "
+        f"step times {min(times):.4f}-{max(times):.4f} s; pre-LN GPT, GELU, tied "
+        f"embeddings, layers under lax.scan, attention implementation={run.impl!r}",
+        source_ref=REF,
+    )
+    return row
+
+
 def e2e_rows(run, scale: int):
-    configs = e2e_sets()[run.args.e2e_set]
+    """``e2e.csv`` rows of the ``--e2e-set`` configurations after the first
+    ``--skip-configs``."""
+    configs = e2e_sets()[run.args.e2e_set][run.args.skip_configs :]
     for name, layers, hidden, heads, seq, mb, recompute in configs:
         h, s = hidden // scale, max(64, seq // scale)
         layers_ = max(2, layers // scale)
         vocab = VOCAB // scale
+        model = name if scale == 1 else f"{name}/{scale}"
+        config = (layers_, h, s, vocab, mb, heads, recompute)
 
-        def one(
-            h=h,
-            s=s,
-            layers_=layers_,
-            vocab=vocab,
-            name=name,
-            mb=mb,
-            heads=heads,
-            recompute=recompute,
-        ):
-            params = gpt_init(jax.random.PRNGKey(2), layers_, h, s, vocab)
-            opt = optax.adamw(1e-4)
-            state = opt.init(params)
-            tokens = jax.random.randint(jax.random.PRNGKey(3), (mb, s), 0, vocab)
-            loss = functools.partial(gpt_loss, heads=heads, impl=run.impl, recompute=recompute)
-
-            def step(params, state, tokens):
-                value, grads = jax.value_and_grad(loss)(params, tokens)
-                updates, state = opt.update(grads, state, params)
-                return optax.apply_updates(params, updates), state, value
-
-            jstep = jax.jit(step, donate_argnums=(0, 1))
-            compiled = jstep.lower(params, state, tokens).compile()
-            mem = compiled.memory_analysis()
-            peak = (
-                (
-                    mem.argument_size_in_bytes
-                    + mem.output_size_in_bytes
-                    + mem.temp_size_in_bytes
-                    - mem.alias_size_in_bytes
-                )
-                if mem is not None
-                else None
-            )
-            for _ in range(3):
-                params, state, value = compiled(params, state, tokens)
-            jax.block_until_ready(value)
-            times = []
-            for _ in range(run.args.steps):
-                t0 = time.perf_counter()
-                params, state, value = compiled(params, state, tokens)
-                jax.block_until_ready(value)
-                times.append(time.perf_counter() - t0)
-            t = float(np.median(times))
-            if not np.isfinite(float(value)):
-                raise FloatingPointError(f"loss {float(value)}")
-            row = dict.fromkeys(E2E_COLUMNS, "")
-            row.update(
-                source=SOURCE,
-                model=name if scale == 1 else f"{name}/{scale}",
-                n_layers=layers_,
-                hidden=h,
-                ffn_hidden=4 * h,
-                heads=heads,
-                kv_heads=heads,
-                seq_len=s,
-                vocab=vocab,
-                n_gpus=1,
-                gpus_per_node=1,
-                cluster=run.args.cluster,
-                precision="bf16",
-                framework="JAX (XLA; fp32 master weights, optax AdamW)",
-                tp=1,
-                pp=1,
-                dp=1,
-                cp=1,
-                ep=1,
-                sp=0,
-                zero=0,
-                recompute=recompute,
-                microbatch=mb,
-                global_batch=mb,
-                interleave_chunks=1,
-                measured_iter_s=t,
-                measured_tflops_per_gpu=_model_flops(layers_, h, s, vocab, mb * s) / t / 1e12,
-                measured_peak_mem_gib="" if peak is None else peak / 2**30,
-                derived_fields="measured_tflops_per_gpu (Megatron's 72-FLOP formula / time); "
-                "measured_peak_mem_gib (XLA buffer assignment: arguments + outputs + "
-                "temporaries - aliased)",
-                notes=f"{run.gpu}; one GPU; median of {run.args.steps} steps after 3 warm-up; "
-                f"step times {min(times):.4f}-{max(times):.4f} s; pre-LN GPT, GELU, tied "
-                f"embeddings, layers under lax.scan, attention implementation={run.impl!r}",
-                source_ref=REF,
-            )
-            return row
+        def one(config=config, model=model):
+            return _e2e_row(run, model, *config, _train_step_times(run, *config))
 
         row = run.attempt(f"e2e {name} s={s} mb={mb} {recompute}", one)
         if row:
@@ -498,6 +496,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed training steps per config")
     p.add_argument("--only", default="kernels,e2e", help="kernels, e2e or both")
     p.add_argument("--e2e-set", choices=tuple(e2e_sets()), default="base", help="e2e configs")
+    p.add_argument("--skip-configs", type=int, default=0, help="leave out the set's first N")
     p.add_argument("--quick", action="store_true", help="sizes / 16: a CPU smoke run")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

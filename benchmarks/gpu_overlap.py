@@ -15,6 +15,11 @@ kernel tables measured alone:
 * **Sustained load** (``clocks.csv``). Back-to-back 8192^3 bf16 GEMMs for ``--sustain-s``
   seconds, timed per batch with CUDA events beside ``nvidia-smi`` readings of the SM clock and
   power: whether a training step's minutes of load run at a kernel table's seconds-long rate.
+* **Cool against hot, per shape** (``cool.csv``, ``--only cool``). Each of ``COOL_SHAPES``
+  after ``--idle-s`` seconds of idle GPU (a few untimed GEMMs first bring the clock up from
+  idle): a short timed batch (``cool_tflops``, a burst as cool-GPU kernel tables time it), then
+  ``--hot-s`` seconds back to back (``hot_tflops``: the median of the last five batches), and
+  their ratio: whether one factor takes a cool table to a training step's rate at every shape.
 
 Needs PyTorch and Triton (the device machine's image has both; nothing of diffcost is imported
 and diffcost does not depend on either). ``summarize`` (pure Python) reads ``overlap.csv`` back
@@ -38,6 +43,17 @@ OVERLAP_COLUMNS = (
     "m,n,k,occupier,ctas,sms,gemm_s_alone,gemm_s_with,slowdown,occupier_GBps,overlapped"
 ).split(",")
 CLOCK_COLUMNS = ("t_s,gemm_tflops,sm_mhz,power_w").split(",")
+COOL_COLUMNS = ("m,n,k,idle_s,cool_tflops,hot_tflops,ratio").split(",")
+COOL_SHAPES = (
+    (8192, 2048, 2048),
+    (4096, 4096, 4096),
+    (16384, 4096, 4096),
+    (8192, 8192, 8192),
+    (16384, 4096, 16384),
+    (16384, 16384, 16384),
+)
+COOL_BATCH_S = 0.02
+HOT_BATCH_S = 0.05
 GEMM_SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 16384), (4096, 4096, 4096))
 CTAS = (8, 16, 32, 66)
 OCCUPIERS = ("spin", "copy")
@@ -210,6 +226,32 @@ def _with_occupier(bench, a, b, count, alone, kind, ctas, shape):
     }
 
 
+def cool_rows(bench, idle_s, hot_s):
+    """``cool.csv`` rows: each of ``COOL_SHAPES`` as a burst after an idle GPU, then sustained."""
+    torch = bench.torch
+    for m, n, k in COOL_SHAPES:
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=bench.dev)
+        b = torch.randn(k, n, dtype=torch.bfloat16, device=bench.dev)
+        flops = 2.0 * m * n * k
+        once = _time_gemms(bench, a, b, 3)
+        torch.cuda.synchronize()
+        time.sleep(idle_s)
+        _gemm_batch(torch, a, b, 5)  # the clock rises from idle within these
+        cool = _time_gemms(bench, a, b, max(3, int(COOL_BATCH_S / once)))
+        count, t0, hot = max(3, int(HOT_BATCH_S / once)), time.perf_counter(), []
+        while time.perf_counter() - t0 < hot_s or len(hot) < 5:
+            hot.append(_time_gemms(bench, a, b, count))
+        hot_s_per = statistics.median(hot[-5:])
+        yield {
+            **dict(zip("mnk", (m, n, k))),
+            "idle_s": idle_s,
+            "cool_tflops": f"{flops / cool / 1e12:.1f}",
+            "hot_tflops": f"{flops / hot_s_per / 1e12:.1f}",
+            "ratio": f"{cool / hot_s_per:.4f}",
+        }
+        del a, b
+
+
 def _smi(path):
     query = "timestamp,clocks.sm,power.draw"
     cmd = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "200"]
@@ -283,19 +325,31 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for the CSV files")
     p.add_argument("--budget-s", type=float, default=80.0, help="SM-sharing rows start before")
     p.add_argument("--sustain-s", type=float, default=25.0, help="seconds of sustained GEMMs")
+    p.add_argument("--only", default="overlap,clocks", help="overlap, clocks, cool (any of)")
+    p.add_argument("--idle-s", type=float, default=3.0, help="idle seconds before a cool burst")
+    p.add_argument("--hot-s", type=float, default=3.0, help="sustained seconds per cool shape")
     args = p.parse_args(argv)
     import torch
 
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     bench = Bench(torch)
+    counts = {}
     with torch.cuda.stream(bench.main):
-        overlap = list(overlap_rows(bench, start + args.budget_s))
-        write_csv(os.path.join(args.out, "overlap.csv"), OVERLAP_COLUMNS, overlap)
-        print(json.dumps(summarize(overlap), indent=1))
-        smi_path = os.path.join(args.out, "smi.log")
-        clocks = clock_rows(bench, args.sustain_s, smi_path)
-    write_csv(os.path.join(args.out, "clocks.csv"), CLOCK_COLUMNS, clocks)
+        if "overlap" in args.only:
+            overlap = list(overlap_rows(bench, start + args.budget_s))
+            counts["overlap"] = write_csv(
+                os.path.join(args.out, "overlap.csv"), OVERLAP_COLUMNS, overlap
+            )
+            print(json.dumps(summarize(overlap), indent=1))
+        if "clocks" in args.only:
+            clocks = clock_rows(bench, args.sustain_s, os.path.join(args.out, "smi.log"))
+            counts["clocks"] = write_csv(
+                os.path.join(args.out, "clocks.csv"), CLOCK_COLUMNS, clocks
+            )
+        if "cool" in args.only:
+            rows = cool_rows(bench, args.idle_s, args.hot_s)
+            counts["cool"] = write_csv(os.path.join(args.out, "cool.csv"), COOL_COLUMNS, rows)
     meta = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -303,7 +357,7 @@ def main(argv=None) -> int:
         "sms": bench.sms,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "rows": {"overlap": len(overlap), "clocks": len(clocks)},
+        "rows": counts,
         "elapsed_s": round(time.perf_counter() - start, 1),
     }
     with open(os.path.join(args.out, "meta_overlap.json"), "w") as fh:

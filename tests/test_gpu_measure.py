@@ -64,8 +64,15 @@ def test_dispatch_bound_rows_left_out(tiny, monkeypatch, tmp_path):
     assert len(meta["failures"]) == 4 + 1 + 2 and all("dispatch" in f for f in meta["failures"])
 
 
-@pytest.mark.parametrize("name,counts", [("h100", (41, 32, 3, 24)), ("h200", (45, 32, 4, 19))])
+@pytest.mark.parametrize("name,counts", [("h100", (41, 32, 3, 24)), ("h200", (45, 32, 4, 25))])
 def test_measurements_read(name, counts):
     meas = load(_DIR / "results" / name)
     got = (len(meas.gemms), len(meas.attention), len(meas.memory), len(meas.e2e))
     assert got == counts and not meas.skipped
+
+
+def test_skip_configs_leaves_out_the_first(tiny, tmp_path):
+    argv = ["--out", str(tmp_path), "--only", "e2e", "--steps", "1", "--skip-configs", "1"]
+    assert gm.main(argv) == 0
+    rows = list(csv.DictReader(open(tmp_path / "e2e.csv")))
+    assert [r["recompute"] for r in rows] == ["full"]
