@@ -62,6 +62,7 @@ class ClusterArrays:
     nic_Bps: jax.Array  # per GPU share of the node's NICs, one direction
     nic_latency_s: jax.Array
     oversubscription: jax.Array
+    host_Bps: jax.Array  # GPU <-> host memory, per GPU, one direction
     ring_share: jax.Array  # [RING_TABLE] NVLink share of a ring over n GPUs of a node
     # ``diffcost.network.tables.NetworkTables`` of the job on a topology graph, or None:
     # with it, collectives are priced on the graph (``diffcost.network.model``)
@@ -88,6 +89,7 @@ class PlanArrays:
     zero: jax.Array  # [4] probabilities of ZeRO stage 0..3
     gather_layer: jax.Array  # [0, 1]: ZeRO-2 gathers parameters per layer (FSDP SHARD_GRAD_OP)
     recompute: jax.Array  # [3] probabilities of none / selective / full
+    offload: jax.Array  # [0, 1): share of the layers whose activations go to host memory
     schedule: jax.Array  # [3] probabilities of gpipe / 1f1b / interleaved
     order: jax.Array  # [4] rank of (tp, cp, dp, pp) from innermost (0) outwards
     lora: jax.Array  # [0, 1]: 1 when the base weights are frozen (LoRA fine-tuning)
@@ -176,6 +178,7 @@ def cluster_arrays(cluster: ClusterSpec, dtype=None, n_gpus: int | None = None) 
         nic_Bps=f(nic_per_gpu),
         nic_latency_s=f(cluster.nic_latency_us * 1e-6),
         oversubscription=f(cluster.oversubscription),
+        host_Bps=f(cluster.host_link_GBps * 1e9 / 2),
         ring_share=f(ring_share(cluster.intra_node, cluster.gpus_per_node)),
         network=_network(cluster, n_gpus, f),
     )
@@ -205,6 +208,7 @@ def plan_arrays(plan: PlanSpec, dtype=None) -> PlanArrays:
         zero=_choice(specs.ZERO_STAGES, plan.zero, f),
         gather_layer=f(1.0 if plan.param_gather == "layer" else 0.0),
         recompute=_recompute_leaf(plan, f),
+        offload=f(plan.offload_fraction),
         schedule=_choice(specs.SCHEDULES, plan.schedule, f),
         order=f(order),
         **lora_leaves(plan.lora_rank, plan.lora_modules, f),

@@ -94,6 +94,25 @@ GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
 # conf/training/gpt3/{5b,20b,175b}_fp8_performance.yaml) checkpoint the attention core
 # ("selective"); its Llama and Nemotron configs recompute nothing.
 FAMILY_RECOMPUTE = (("NeMo", "gpt3", "selective"),)
+# Layers whose activations a framework's own recipe offloads to host memory (Megatron-Core
+# ``cpu_offloading``), keyed by (framework, model, cluster preset, precision, tp, microbatch)
+# of its Megatron-FSDP (ZeRO-3) configuration. Megatron-Bridge's performance presets pair
+# ``use_megatron_fsdp=True`` with ``cpu_offloading_num_layers`` on GB200 and GB300, which its
+# helpers turn into cpu_offloading=True, cpu_offloading_weights=False (activations only):
+# scripts/performance/configs/llama3/workload_base_configs.py, later
+# configs/llama/llama3_workload_base_configs.py and the flat perf recipes (70B: GB200 FP8-CS
+# 40 layers at microbatch 2, BF16 20; GB300 FP8-CS 20, BF16 30), and
+# configs/llama31/workload_base_configs.py (405B at tp 2: GB200 FP8-CS 95 of 126 layers,
+# 92 in later recipes; GB300 FP8-CS 10, BF16 40). Their H100 and B200 FSDP runs offload nothing.
+RECIPE_OFFLOAD = {
+    ("Megatron-Bridge", "llama3_70b", "dgx-gb200-nvl72", "fp8", 1, 2): 40,
+    ("Megatron-Bridge", "llama3_70b", "dgx-gb200-nvl72", "bf16", 1, 1): 20,
+    ("Megatron-Bridge", "llama3_70b", "dgx-gb300-nvl72", "fp8", 1, 2): 20,
+    ("Megatron-Bridge", "llama3_70b", "dgx-gb300-nvl72", "bf16", 1, 2): 30,
+    ("Megatron-Bridge", "llama3.1_405b", "dgx-gb200-nvl72", "fp8", 2, 1): 95,
+    ("Megatron-Bridge", "llama3.1_405b", "dgx-gb300-nvl72", "fp8", 2, 1): 10,
+    ("Megatron-Bridge", "llama3.1_405b", "dgx-gb300-nvl72", "bf16", 2, 1): 40,
+}
 
 
 # Columns an end-to-end CSV must have (their cells may be blank: "the source did not say");
@@ -242,6 +261,16 @@ def _recompute(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
     return recompute
 
 
+def _offload(row: dict, model: ModelSpec, fw_key: str | None, zero: int, used) -> float:
+    """Share of the layers the framework's recipe offloads (``RECIPE_OFFLOAD``; FSDP only)."""
+    key = (fw_key, model.name.lower(), row.get("cluster", "").strip(), model.precision)
+    layers = RECIPE_OFFLOAD.get((*key, _int(row, "tp") or 1, _int(row, "microbatch")))
+    if zero != 3 or not layers:
+        return 0.0
+    used.append(f"activations of {layers} of {model.n_layers} layers offloaded to host memory")
+    return layers / model.n_layers
+
+
 def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str]) -> PlanSpec:
     fw = FRAMEWORK_DEFAULTS.get(fw_key, GENERIC_DEFAULTS)
     degrees = {k: _int(row, k) or 1 for k in ("tp", "pp", "cp", "ep")}
@@ -288,6 +317,7 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         param_gather=param_gather,
         recompute=recompute,
         recompute_fraction=recompute_fraction,
+        offload_fraction=_offload(row, model, fw_key, zero, used),
         microbatch=mb,
         global_batch=gb,
         schedule="interleaved" if chunks > 1 else "1f1b",

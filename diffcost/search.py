@@ -209,6 +209,7 @@ def decode(r: RelaxedPlan, b: Bounds, tau) -> PlanArrays:
         zero=jax.nn.softmax(r.zero / tau),
         gather_layer=b.gather_layer,
         recompute=jax.nn.softmax(r.recompute / tau),
+        offload=jnp.zeros_like(b.global_batch),  # activations stay on the GPU
         schedule=jax.nn.softmax(r.schedule / tau),
         order=jax.nn.softmax(r.order / tau) @ b.order_ranks,
         **b.lora,

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffcost import constraints, schedules, smooth, workload
+from diffcost import constraints, offload, schedules, smooth, workload
 from diffcost.arrays import ClusterArrays, ModelArrays, PlanArrays
 from diffcost.params import Params
 from diffcost.stages import WEIGHT_BYTES, StageTimes, grad_bytes, multi_stage, stage_times
@@ -266,7 +266,9 @@ def memory(model, plan, cluster, temperature, work=None):
       schedule keeps in flight at the stage's peak (``schedules``: ``min(p, m)`` on the first
       1F1B stage and 1 on the last; ``p (1 + (p - 1) / (p v))`` and ``p - (p - 1) / v`` under
       interleaving). Full recompute keeps each layer's input and, while one layer is
-      recomputed, that layer's full activations. The last stage adds ``LOGIT_BYTES`` per token
+      recomputed, that layer's full activations. Layers offloaded to host memory
+      (``PlanSpec.offload_fraction``) keep none but one layer's staging buffer
+      (``offload.resident_activation_bytes``). The last stage adds ``LOGIT_BYTES`` per token
       and local vocabulary entry;
     * buffers: pipeline send/receive buffers, two gradient buckets (Megatron-Core's buckets are
       views of the gradient buffer, so for it these 80 MB are an over-count) and
@@ -314,7 +316,8 @@ def memory(model, plan, cluster, temperature, work=None):
     act_layer = jnp.sum(plan.recompute * work.activation_bytes)  # [none, selective, full]
     act_full = work.activation_bytes[0]
     logits = LOGIT_BYTES * work.head_tokens * model.vocab / plan.tp
-    act = layers * act_layer * _in_flight(plan, temperature) + plan.recompute[2] * act_full
+    act = offload.resident_activation_bytes(act_layer, layers, _in_flight(plan, temperature), plan)
+    act = act + plan.recompute[2] * act_full
     multi = multi_stage(plan.pp)
     act = act + jnp.stack([(1.0 - multi) * logits, logits])
     buckets = smooth.smin2(grad_b * layers * work.trained_params, DP_BUCKET_BYTES, temperature)

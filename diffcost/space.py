@@ -279,6 +279,7 @@ class Space:
             zero=one_hot("zero", ZERO_STAGES),
             gather_layer=np.full(n, float(self.param_gather == "layer")),
             recompute=one_hot("recompute", RECOMPUTE_MODES),
+            offload=np.zeros(n),  # activations stay on the GPU
             schedule=one_hot("schedule", SCHEDULES),
             order=ranks[index("order", range(len(self.orders)))],
             **lora_leaves(self.lora_rank, self.lora_modules, lambda v: np.asarray(v, float), n),

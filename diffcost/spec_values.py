@@ -32,7 +32,7 @@ from diffcost.topology import INTRA_NODE
 # Keys that document a file and are accepted even where the dataclass has no such field.
 DOC_KEYS = ("description",)
 # Floating-point fields that may be zero; every other number must be positive.
-_NON_NEGATIVE = frozenset({"nvlink_latency_us", "nic_latency_us"})
+_NON_NEGATIVE = frozenset({"nvlink_latency_us", "nic_latency_us", "offload_fraction"})
 
 
 class ConfigError(ValueError):
@@ -282,6 +282,14 @@ def _plan_from_tree(tree: Mapping[str, Any], where: str, prefix: str = "") -> Pl
             f"{prefix}recompute_fraction",
             plan.recompute_fraction,
             "a fraction in (0, 1]: the share of the layers recompute applies to",
+        )
+    if not plan.offload_fraction < 1.0:
+        raise invalid(
+            where,
+            f"{prefix}offload_fraction",
+            plan.offload_fraction,
+            "a fraction in [0, 1): the share of the layers whose activations go to host memory "
+            "(Megatron-Core offloads fewer layers than it has)",
         )
     if plan.param_gather == "layer" and plan.zero != 2:
         raise ConfigError(

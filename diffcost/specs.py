@@ -111,6 +111,9 @@ class ClusterSpec:
     nic_Gbps: float  # per NIC, one direction, 10^9 bit/s
     nic_latency_us: float
     oversubscription: float = 1.0  # fat-tree: bisection is divided by this
+    # GPU <-> host memory link per GPU, both directions added (datasheet convention): PCIe 4.0
+    # x16 (64 GB/s) unless a preset says otherwise; the path of CPU activation offloading
+    host_link_GBps: float = 64.0
     # "switch": every GPU reaches any other at its full NVLink bandwidth (NVSwitch);
     # "mesh": one point-to-point link to each peer (AMD Infinity Fabric), so a group of k GPUs
     # in a node uses (k - 1) / (gpus_per_node - 1) of it; "cube-mesh": DGX-1's hybrid
@@ -148,6 +151,10 @@ class PlanSpec:
     # Share of the layers ``recompute`` applies to; the others keep every activation (Megatron's
     # ``--recompute-method block --recompute-num-layers``, torchtitan's selective AC by layer)
     recompute_fraction: float = 1.0
+    # Share of the layers whose saved activations are copied to host memory in the forward
+    # and back in the backward (Megatron-Core's ``cpu_offloading`` with
+    # ``cpu_offloading_num_layers`` / layers, activations only); 0 keeps them all on the GPU
+    offload_fraction: float = 0.0
     microbatch: int = 1
     global_batch: int = 1
     schedule: Schedule = "1f1b"

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from diffcost import comm, kernels, smooth, workload
+from diffcost import comm, kernels, offload, smooth, workload
 from diffcost.arrays import ACT_BYTES, ClusterArrays, PlanArrays
 from diffcost.network import link_sharing
 from diffcost.network import model as netmodel
@@ -376,7 +376,14 @@ def _layer_shape_factor(work: LayerWork, model, plan, params: Params):
 
 
 def layer_parts_s(
-    work: LayerWork, kernel: kernels.KernelTimes, comms: CommTimes, model, plan, params, temperature
+    work: LayerWork,
+    kernel: kernels.KernelTimes,
+    comms: CommTimes,
+    model,
+    plan,
+    params,
+    temperature,
+    host_copy_s=0.0,
 ):
     """One layer for one microbatch on one GPU, split into compute, tp, cp, ep and ZeRO time.
 
@@ -384,7 +391,9 @@ def layer_parts_s(
     context-parallel K/V exchange overlapped with attention and the expert all-to-alls (one to
     the experts and one back) in series; the host dispatches alongside; the shape factor scales
     it all. Recompute adds the attention core (selective) or the whole forward (full) to the
-    backward; ZeRO-3 gathers and scatters overlap with the layer.
+    backward; ZeRO-3 gathers and scatters overlap with the layer; the offloaded layers' copies
+    to and from host memory (``host_copy_s`` one way, ``offload.copy_s``) overlap with their
+    forward and backward, and what they leave exposed counts as compute (``offload.exposed_s``).
 
     Returns:
         [2, 5] seconds: rows forward, backward; columns compute, tp, cp, ep, zero.
@@ -403,12 +412,16 @@ def layer_parts_s(
     full = plan.recompute[2]
     recompute_s = plan.recompute[1] * attention_s[0] + full * layer_s[0]
     zero_s = zero3_comm_s(layer_s, recompute_s, comms, plan, kappa, temperature)
+    core_s = layer_s + jnp.stack([0.0 * recompute_s, recompute_s])
+    offload_s = offload.exposed_s(
+        core_s, host_copy_s, plan, lambda a, b: _overlap(a, b, kappa, temperature)
+    )
     tp_s, cp_s, ep_s = shape * tp_s, shape * cp_s, shape * ep_s
     comm_s = tp_s + cp_s + ep_s
-    fwd = jnp.stack([layer_s[0] - comm_s[0], tp_s[0], cp_s[0], ep_s, zero_s[0]])
+    fwd = jnp.stack([layer_s[0] - comm_s[0] + offload_s[0], tp_s[0], cp_s[0], ep_s, zero_s[0]])
     bwd = jnp.stack(
         [
-            layer_s[1] - comm_s[1] + recompute_s - full * comm_s[0],
+            layer_s[1] - comm_s[1] + recompute_s - full * comm_s[0] + offload_s[1],
             tp_s[1] + full * tp_s[0],
             cp_s[1] + full * cp_s[0],
             ep_s * (1.0 + full),
@@ -559,7 +572,8 @@ def stage_times(
     groups = None if network else place_groups(plan, cluster, params, temperature)
     comms = comm_times(work, model, plan, groups, cluster, params, temperature, shared_delay_s)
     kernel = kernels.kernel_times(work, model, cluster, params, temperature, grid)
-    layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature)
+    host_copy_s = offload.copy_s(work, plan, cluster)
+    layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature, host_copy_s)
     fwd, bwd, parts = stage_s(layer_parts, kernel, comms, work, model, plan, cluster, params)
     bucket, after = dp_sync_s(comms, plan)
     ones = jnp.ones(3, dtype=fwd.dtype)

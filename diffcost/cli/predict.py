@@ -173,6 +173,7 @@ def print_prediction(exp: Experiment, d: dict) -> None:
         f"zero={p.zero}{gather} recompute={p.recompute}{share} mb={p.microbatch} "
         f"gb={p.global_batch} schedule={p.schedule}"
         + (f"(v={p.chunks})" if p.schedule == "interleaved" else "")
+        + (f" offload={p.offload_fraction:g} of layers" if p.offload_fraction else "")
     )
     interval = ""
     if d.get("iteration_s_low") is not None:
