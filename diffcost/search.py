@@ -366,14 +366,18 @@ class _Moves:
         out = []
         i = self.index[(c.tp, c.cp, c.dp, c.pp)]
         pref = (c.schedule, "1f1b", "gpipe")
+        # a degree move shifts the best microbatch (cp and tp split a microbatch's tokens, dp
+        # sets how many microbatches there are): each also tries the microbatch an octave up
+        # and down, so a better plan two single moves away is not hidden behind a worse one
         for j in self.adjacent[i]:
             d = self.tuples[j]
-            n = self.complete(
-                d, math.log2(c.microbatch), math.log2(c.ep), pref, math.log2(c.chunks),
-                c.recompute, c.zero, c.order,
-            )  # fmt: skip
-            if n is not None:
-                out.append(n)
+            for shift in (0.0, -1.0, 1.0):
+                n = self.complete(
+                    d, math.log2(c.microbatch) + shift, math.log2(c.ep), pref,
+                    math.log2(c.chunks), c.recompute, c.zero, c.order,
+                )  # fmt: skip
+                if n is not None:
+                    out.append(n)
         for mb in self.microbatches(c.dp):
             if mb != c.microbatch:
                 n = self.complete(
@@ -389,7 +393,7 @@ class _Moves:
         out += [c._replace(zero=z) for z in ZERO_STAGES if z != c.zero]
         out += [c._replace(order=o) for o in range(len(s.orders)) if o != c.order]
         out += [c._replace(ep=e) for e in s.ep_choices(c.dp) if e != c.ep]
-        return [n for n in out if n is not None]
+        return list(dict.fromkeys(n for n in out if n is not None and n != c))
 
 
 def round_relaxed(moves: _Moves, relaxed: RelaxedPlan, bounds: Bounds, k: int) -> list[Choice]:
