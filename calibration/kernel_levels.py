@@ -26,11 +26,17 @@ from diffcost.workload import attention_shape
 KERNEL_LEVELS = ("attn", "mem")
 
 
+def _load_factor(sustained, params):
+    """Rate factor of a kernel-table row: ``step_compute`` for a kernel timed under sustained
+    load (``sustained`` 1), as a training step's kernels run; 1 for one timed on a cool GPU."""
+    return 1.0 + sustained * (params.step_compute - 1.0)
+
+
 def gemm_time(m, n, k, precision, sustained, cluster, params, log_eff, temperature):
     """One GEMM kernel as the model times it, plus the per-kernel gap; a kernel timed under
     sustained load (``sustained`` 1) runs at a training step's rate (``step_compute``)."""
     rate = jnp.sum(precision * cluster.peak_flops) * jnp.sum(precision * params.gemm_eff)
-    rate = rate * (1.0 + sustained * (params.step_compute - 1.0))
+    rate = rate * _load_factor(sustained, params)
     t = kernels.gemm_s(m, n, k, jnp.maximum(rate, 1.0), cluster, params, temperature, log_eff)
     return t + params.kernel_overhead_s
 
@@ -41,7 +47,7 @@ def attention_time(flops, n_bytes, shape, stage, sustained, cluster, params, tem
     (``stage`` 0) or backward (1), plus the per-kernel gap; a kernel timed under sustained load
     (``sustained`` 1) runs at a training step's rate (``step_compute``)."""
     bf16 = PRECISIONS.index("bf16")
-    step = 1.0 + sustained * (params.step_compute - 1.0)
+    step = _load_factor(sustained, params)
     rate = jnp.maximum(cluster.peak_flops[bf16] * params.gemm_eff[bf16] * step, 1.0)
     eff = params.attention_eff(0.0, shape)
     t = kernels.fused_attention_s(flops, n_bytes, rate, eff, cluster, params, temperature)

@@ -313,7 +313,7 @@ def memory(model, plan, cluster, temperature, work=None):
     # ZeRO-3 holds two gathered layers (current + prefetched)
     weights = weights + z[3] * 2.0 * WEIGHT_BYTES * (dense_p + expert_p)
 
-    act_layer = jnp.sum(plan.recompute * work.activation_bytes)  # [none, selective, full]
+    act_layer = offload.saved_bytes(work, plan)  # under the recompute mix
     act_full = work.activation_bytes[0]
     logits = LOGIT_BYTES * work.head_tokens * model.vocab / plan.tp
     act = offload.resident_activation_bytes(act_layer, layers, _in_flight(plan, temperature), plan)

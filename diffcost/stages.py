@@ -381,9 +381,9 @@ def layer_parts_s(
     comms: CommTimes,
     model,
     plan,
+    cluster: ClusterArrays,
     params,
     temperature,
-    host_copy_s=0.0,
 ):
     """One layer for one microbatch on one GPU, split into compute, tp, cp, ep and ZeRO time.
 
@@ -392,7 +392,7 @@ def layer_parts_s(
     the experts and one back) in series; the host dispatches alongside; the shape factor scales
     it all. Recompute adds the attention core (selective) or the whole forward (full) to the
     backward; ZeRO-3 gathers and scatters overlap with the layer; the offloaded layers' copies
-    to and from host memory (``host_copy_s`` one way, ``offload.copy_s``) overlap with their
+    to and from host memory over the cluster's host link (``offload.copy_s``) overlap with their
     forward and backward, and what they leave exposed counts as compute (``offload.exposed_s``).
 
     Returns:
@@ -413,6 +413,7 @@ def layer_parts_s(
     recompute_s = plan.recompute[1] * attention_s[0] + full * layer_s[0]
     zero_s = zero3_comm_s(layer_s, recompute_s, comms, plan, kappa, temperature)
     core_s = layer_s + jnp.stack([0.0 * recompute_s, recompute_s])
+    host_copy_s = offload.copy_s(work, plan, cluster)
     offload_s = offload.exposed_s(
         core_s, host_copy_s, plan, lambda a, b: _overlap(a, b, kappa, temperature)
     )
@@ -572,8 +573,7 @@ def stage_times(
     groups = None if network else place_groups(plan, cluster, params, temperature)
     comms = comm_times(work, model, plan, groups, cluster, params, temperature, shared_delay_s)
     kernel = kernels.kernel_times(work, model, cluster, params, temperature, grid)
-    host_copy_s = offload.copy_s(work, plan, cluster)
-    layer_parts = layer_parts_s(work, kernel, comms, model, plan, params, temperature, host_copy_s)
+    layer_parts = layer_parts_s(work, kernel, comms, model, plan, cluster, params, temperature)
     fwd, bwd, parts = stage_s(layer_parts, kernel, comms, work, model, plan, cluster, params)
     bucket, after = dp_sync_s(comms, plan)
     ones = jnp.ones(3, dtype=fwd.dtype)

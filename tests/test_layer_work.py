@@ -130,7 +130,7 @@ def test_without_tensor_parallelism_the_layer_has_no_tp_time():
     groups = stages.place_groups(p, c, params, TEMPERATURE)
     comms = stages.comm_times(work, m, p, groups, c, params, TEMPERATURE)
     kernel = kernels.kernel_times(work, m, c, params, TEMPERATURE)
-    parts = stages.layer_parts_s(work, kernel, comms, m, p, params, TEMPERATURE)
+    parts = stages.layer_parts_s(work, kernel, comms, m, p, c, params, TEMPERATURE)
     assert parts.shape == (2, 5)
     np.testing.assert_array_equal(parts[:, 1:4], 0.0)  # tp, cp and ep
     assert float(stages.tp_comm_s(kernel.layer_s, comms, p, 0.5, TEMPERATURE)[0]) == 0.0

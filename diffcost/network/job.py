@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffcost import kernels, offload, smooth, stages, workload
+from diffcost import kernels, smooth, stages, workload
 from diffcost.arrays import ClusterArrays, ModelArrays, PlanArrays
 from diffcost.network import collectives as netcoll
 from diffcost.network import cost
@@ -249,8 +249,7 @@ def graph_iteration_s(
     work = workload.layer_work(model, plan)
     comms = graph_comm_times(work, job, capacity_Bps, params, temperature)
     kernel = kernels.kernel_times(work, model, cluster, params, temperature, None)
-    host_copy_s = offload.copy_s(work, plan, cluster)
-    layer = stages.layer_parts_s(work, kernel, comms, model, plan, params, temperature, host_copy_s)
+    layer = stages.layer_parts_s(work, kernel, comms, model, plan, cluster, params, temperature)
     fwd, bwd, parts = stages.stage_s(layer, kernel, comms, work, model, plan, cluster, params)
     bucket, after = stages.dp_sync_s(comms, plan)
     st = stages.stage_times(model, plan, cluster, params, temperature, None, work)
