@@ -28,11 +28,11 @@ from calibration import fit as fit_mod
 from calibration import posterior, refit
 from calibration.heldout import fill_uninformed, population_row
 from calibration.readers import load
-from calibration.records import Measurements
+from calibration.records import Measurements, placed_kernels
 from diffcost import profiles as prof
 from diffcost.cli.common import make_table, print_json
 from diffcost.config import load_cluster
-from diffcost.gpus import FAMILY_CLUSTER, cluster_family
+from diffcost.gpus import cluster_family
 from diffcost.params import default_params
 
 
@@ -237,23 +237,6 @@ def _found(meas: Measurements) -> str:
     return ", ".join(parts) if parts else "no usable rows"
 
 
-def _placed_kernels(meas: Measurements) -> Measurements:
-    """``meas`` with the GEMM and attention rows of GPU families that have no preset to time
-    them on (``diffcost.gpus.FAMILY_CLUSTER``) moved to ``skipped``, with the reason."""
-    known = ", ".join(sorted(FAMILY_CLUSTER))
-    skipped = list(meas.skipped)
-    for r in meas.gemms + meas.attention:
-        if r.gpu not in FAMILY_CLUSTER:
-            reason = f"kernel of {r.gpu} GPUs: no preset to time it on (families: {known})"
-            skipped.append((r.where, reason))
-    return dataclasses.replace(
-        meas,
-        gemms=[r for r in meas.gemms if r.gpu in FAMILY_CLUSTER],
-        attention=[r for r in meas.attention if r.gpu in FAMILY_CLUSTER],
-        skipped=skipped,
-    )
-
-
 def _measurements(args) -> tuple[Measurements, Measurements]:
     """Every usable record in the files, and those of the clusters to calibrate.
 
@@ -261,7 +244,7 @@ def _measurements(args) -> tuple[Measurements, Measurements]:
         ValueError: no measurement of those clusters in the files.
     """
     everything = load(args.data, cluster=args.cluster)
-    meas = _placed_kernels(select(everything, args.cluster))
+    meas = placed_kernels(select(everything, args.cluster))
     if not (meas.e2e or meas.collectives or meas.gemms or meas.attention or meas.memory):
         raise ValueError(
             f"no measurements for {', '.join(args.cluster)} in {', '.join(map(str, args.data))}"

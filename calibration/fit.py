@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -32,7 +33,7 @@ import optax
 
 from calibration import graph_path, kernel_levels
 from calibration.kernel_levels import KERNEL_LEVELS
-from calibration.records import Measurements
+from calibration.records import Measurements, placed_kernels
 from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import FAST_CPU_COMPILE, STEADY_CPU_COMPILE, fast_compile_jit
@@ -189,12 +190,26 @@ def _octave_weights(colls) -> np.ndarray:
     return np.array([1.0 / counts[k] for k in keys])
 
 
+def _placed_or_warn(meas: Measurements) -> Measurements:
+    """``records.placed_kernels``, warning once with every row it leaves out."""
+    placed = placed_kernels(meas)
+    dropped = placed.skipped[len(meas.skipped) :]
+    if dropped:
+        where = "; ".join(f"{src}: {reason}" for src, reason in dropped[:3])
+        more = f" (and {len(dropped) - 3} more)" if len(dropped) > 3 else ""
+        warnings.warn(f"{len(dropped)} kernel rows left out: {where}{more}", stacklevel=3)
+    return placed
+
+
 def build_problem(meas: Measurements, dtype=None) -> Problem:
     """Arrays of every measurement that maps to a known cluster (or GPU family).
 
-    ``dtype``: JAX's default float unless given (float32, or float64 under x64).
+    ``dtype``: JAX's default float unless given (float32, or float64 under x64). Kernel rows
+    of a GPU family without a preset to time them on are left out with a ``UserWarning``
+    naming them (``records.placed_kernels`` lists them in ``skipped`` instead).
     """
     dtype = jnp.result_type(float) if dtype is None else dtype
+    meas = _placed_or_warn(meas)
     families: list[str] = []
     clusters: list[str] = []
     cluster_cache: dict = {}
@@ -241,7 +256,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
         }
     # fp32 GEMMs are left out: XLA runs them on TF32 tensor cores, while the presets' fp32
     # peak is the vector rate that fp32 training uses.
-    gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in FIT_PRECISIONS]
+    gemms = [g for g in meas.gemms if g.precision in FIT_PRECISIONS]
     if gemms:
         specs = [cl(FAMILY_CLUSTER[g.gpu]) for g in gemms]
         data["gemm"] = {

@@ -24,7 +24,8 @@ import numpy as np
 
 from calibration import fit as F
 from calibration.readers import Measurements, load, shared_files
-from diffcost.gpus import FAMILY_CLUSTER, preset_family
+from calibration.records import placed_kernels
+from diffcost.gpus import preset_family
 from diffcost.params import default_params
 from diffcost.validate import kendall_tau
 
@@ -54,7 +55,8 @@ def load_data(data_dir: Path) -> Measurements:
     """Every record ``build_problem`` can use, in the order its arrays will have."""
     meas = load(shared_files(data_dir))
     colls = [r for r in meas.collectives if r.cluster and r.collective in F.COLLECTIVES]
-    gemms = [g for g in meas.gemms if g.gpu in FAMILY_CLUSTER and g.precision in F.FIT_PRECISIONS]
+    meas = placed_kernels(meas)
+    gemms = [g for g in meas.gemms if g.precision in F.FIT_PRECISIONS]
     return dataclasses.replace(meas, e2e=list(meas.e2e), collectives=colls, gemms=gemms)
 
 

@@ -69,7 +69,7 @@ def build(meas: Measurements, families, clusters, cl, idx) -> dict:
     octaves of each attention kernel; bytes of each transfer on its cluster. ``cl`` and ``idx``
     are ``build_problem``'s cluster loader and row indexer."""
     data = {}
-    attn = [a for a in meas.attention if a.gpu in FAMILY_CLUSTER]
+    attn = meas.attention  # placed by build_problem (records.placed_kernels)
     if attn:
         specs = [cl(FAMILY_CLUSTER[a.gpu]) for a in attn]
         b, s, h, kv, hd = (

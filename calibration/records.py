@@ -13,7 +13,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-from diffcost.gpus import gpu_family, preset_family
+from diffcost.gpus import FAMILY_CLUSTER, gpu_family, preset_family
 from diffcost.runs import CsvLineError, data_rows, number_error
 from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
 
@@ -244,6 +244,23 @@ class Measurements:
             "memory": len(self.memory),
             "skipped": dict(Counter(reason for _, reason in self.skipped).most_common()),
         }
+
+
+def placed_kernels(meas: Measurements) -> Measurements:
+    """``meas`` with the GEMM and attention rows of GPU families that have no preset to time
+    them on (``diffcost.gpus.FAMILY_CLUSTER``) moved to ``skipped``, with the reason."""
+    known = ", ".join(sorted(FAMILY_CLUSTER))
+    skipped = list(meas.skipped)
+    for r in meas.gemms + meas.attention:
+        if r.gpu not in FAMILY_CLUSTER:
+            reason = f"kernel of {r.gpu} GPUs: no preset to time it on (families: {known})"
+            skipped.append((r.where, reason))
+    return dataclasses.replace(
+        meas,
+        gemms=[r for r in meas.gemms if r.gpu in FAMILY_CLUSTER],
+        attention=[r for r in meas.attention if r.gpu in FAMILY_CLUSTER],
+        skipped=skipped,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from calibration import fit as F
 from calibration import kernel_levels
-from calibration.command import _placed_kernels
 from calibration.readers import load
-from calibration.records import GemmRecord, Measurements, ReaderError, Source
+from calibration.records import GemmRecord, Measurements, ReaderError, Source, placed_kernels
 from diffcost.arrays import cluster_arrays
 from diffcost.config import load_cluster
 from diffcost.params import default_params
@@ -84,8 +84,16 @@ def test_sustained_kernels_run_at_the_training_step_rate(step):
 def test_kernels_of_families_without_a_preset_are_reported():
     where = Source(Path("k.csv"), 2)
     rows = [GemmRecord(g, 1, 4096, 4096, 4096, "bf16", 1e-3, where) for g in ("h200", "tpu-v9")]
-    out = _placed_kernels(Measurements(gemms=rows))
+    out = placed_kernels(Measurements(gemms=rows))
     assert [g.gpu for g in out.gemms] == ["h200"]
     assert len(out.skipped) == 1
     place, reason = out.skipped[0]
     assert place == where and "tpu-v9" in reason and "h200" in reason
+
+
+def test_build_problem_warns_about_kernels_it_leaves_out():
+    where = Source(Path("k.csv"), 7)
+    rows = [GemmRecord(g, 1, 4096, 4096, 4096, "bf16", 1e-3, where) for g in ("h100", "tpu-v9")]
+    with pytest.warns(UserWarning, match=r"1 kernel rows left out: k.csv:7: kernel of tpu-v9"):
+        problem = F.build_problem(Measurements(gemms=rows))
+    assert problem.counts["gemm"] == 1
