@@ -51,7 +51,14 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from diffcost.specs import PLACED_DIMS, SCHEDULES, ClusterSpec, ModelSpec, PlanSpec
+from diffcost.specs import (
+    PLACED_DIMS,
+    SCHEDULES,
+    ClusterSpec,
+    ModelSpec,
+    PlanSpec,
+    pipeline_places,
+)
 
 DIVISIBILITY_TOL = 1e-6  # relative distance to an integer that still counts as divisible
 _INTERLEAVED = SCHEDULES.index("interleaved")
@@ -402,7 +409,7 @@ def spec_quantities(
         n_gpus=plan.n_gpus,
     )
     if plan.split_edges and plan.pp > 1:  # the places the pipeline split divides
-        q["n_layers"] = model.n_layers + 2
+        q["n_layers"] = pipeline_places(model.n_layers)
     return q
 
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 
 from diffcost import config as config_mod
-from diffcost.specs import Attention, ClusterSpec, ModelSpec, PlanSpec
+from diffcost.specs import Attention, ClusterSpec, ModelSpec, PlanSpec, pipeline_places
 
 # Vocabulary of a model family when the source does not give it.  Nemotron-3 and -4 use a
 # 256k SentencePiece vocabulary (NeMo's reported TFLOP/s for its Nemotron runs imply it).
@@ -304,7 +304,9 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         if abs(n_micro - round(n_micro)) > 1e-9:
             used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
     stages, uneven = pp * chunks, model.n_layers % (pp * chunks) != 0
-    split_edges = uneven and fw.split_edges and pp > 1 and (model.n_layers + 2) % stages == 0
+    split_edges = (
+        uneven and fw.split_edges and pp > 1 and pipeline_places(model.n_layers) % stages == 0
+    )
     if split_edges:
         used.append(f"split_edges ({model.n_layers} layers + embedding + loss on {stages} stages)")
     elif uneven:

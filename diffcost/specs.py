@@ -39,6 +39,13 @@ TRANSPORTS = ("rdma", "tcp")
 PLACED_DIMS = ("tp", "cp", "dp", "pp")
 
 
+def pipeline_places(n_layers, split_edges=1):
+    """Places the pipeline split divides: the layers, plus one each for the embedding and the
+    loss with ``split_edges`` (Megatron-Core's ``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split``). Ints or arrays (``split_edges`` a 0-1 weight)."""
+    return n_layers + 2 * split_edges
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
     """Mixture-of-experts feed-forward: every layer's MLP is `experts` copies, `top_k` active."""

@@ -30,6 +30,7 @@ from diffcost.arrays import ACT_BYTES, ClusterArrays, PlanArrays
 from diffcost.network import link_sharing
 from diffcost.network import model as netmodel
 from diffcost.params import HEAD_GRID_LOG2_LO, Params
+from diffcost.specs import pipeline_places
 from diffcost.workload import LayerWork
 
 GRAD_BYTES = 4.0  # fp32 gradient accumulation and reduction (Megatron with bf16)
@@ -512,7 +513,7 @@ def stage_layers(model, plan):
     the embedding takes one of the first stage's, the loss one of the last's. One stage keeps
     every layer."""
     edges = plan.split_edges * multi_stage(plan.pp)
-    places = (model.n_layers + 2.0 * edges) / plan.pp
+    places = pipeline_places(model.n_layers, edges) / plan.pp
     return places - jnp.stack([edges, 0.0 * edges, edges])
 
 
