@@ -351,7 +351,7 @@ class _Moves:
         ep = min(eps, key=lambda v: abs(math.log2(v) - ep_log2))
         options = self.space.schedules(pp, self.space.global_batch // (dp * mb))
         sched, v = self._schedule(options, sched_pref, chunks_log2)
-        return Choice(tp, cp, dp, pp, ep, mb, sched, v, rec, zero, order)
+        return self.space.canonical(Choice(tp, cp, dp, pp, ep, mb, sched, v, rec, zero, order))
 
     @staticmethod
     def _schedule(options, preference, chunks_log2):
@@ -391,9 +391,10 @@ class _Moves:
                 out.append(c._replace(schedule=sched, chunks=v))
         out += [c._replace(recompute=r) for r in RECOMPUTE_MODES if r != c.recompute]
         out += [c._replace(zero=z) for z in ZERO_STAGES if z != c.zero]
-        out += [c._replace(order=o) for o in range(len(s.orders)) if o != c.order]
+        out += [c._replace(order=o) for o in s.distinct_orders(c) if o != c.order]
         out += [c._replace(ep=e) for e in s.ep_choices(c.dp) if e != c.ep]
-        return list(dict.fromkeys(n for n in out if n is not None and n != c))
+        out = (s.canonical(n) for n in out if n is not None)
+        return list(dict.fromkeys(n for n in out if n != c))
 
 
 def round_relaxed(moves: _Moves, relaxed: RelaxedPlan, bounds: Bounds, k: int) -> list[Choice]:

@@ -47,6 +47,13 @@ ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 _RECOMPUTE_SHORT = {"none": "norc", "selective": "sel", "full": "full"}
 
 
+def _placed(order: tuple[str, ...], sizes) -> tuple[str, ...]:
+    """The dimensions of ``order`` that take a place at the degrees ``sizes`` (a ``Choice``
+    or a dict): those larger than 1."""
+    size = sizes.get if isinstance(sizes, dict) else lambda d: getattr(sizes, d)
+    return tuple(d for d in order if size(d) > 1)
+
+
 class Choice(NamedTuple):
     """One discrete plan of a ``Space`` (hashable; ``order`` indexes ``Space.orders``)."""
 
@@ -195,7 +202,7 @@ class Space:
             c.microbatch in self.microbatches
             and c.recompute in RECOMPUTE_MODES
             and c.zero in ZERO_STAGES
-            and 0 <= c.order < len(self.orders)
+            and c.order in self.distinct_orders(c)
         )
         q = constraints.spec_quantities(self.model, self.cluster, self.plan_spec(c), self.n_gpus)
         return (
@@ -204,20 +211,37 @@ class Space:
             and (c.schedule, c.chunks) in self.schedules(c.pp, q["n_microbatches"])
         )
 
+    def distinct_orders(self, sizes) -> list[int]:
+        """Indexes of ``orders`` that place the ranks differently at the degrees ``sizes`` (a
+        ``Choice`` or a dict of the placed dimensions; a dimension of size 1 takes no place):
+        the first of each set of equivalent orders."""
+        first = {}
+        for i, order in enumerate(self.orders):
+            first.setdefault(_placed(order, sizes), i)
+        return sorted(first.values())
+
+    def canonical(self, c: Choice) -> Choice:
+        """``c`` with its rank order replaced by the first order that places its ranks alike
+        (``distinct_orders``): two plans that differ only in equivalent orders are one."""
+        if not 0 <= c.order < len(self.orders):
+            return c
+        placed = _placed(self.orders[c.order], c)
+        return c._replace(
+            order=next(i for i, o in enumerate(self.orders) if _placed(o, c) == placed)
+        )
+
     def choices(self) -> list[Choice]:
-        """Every valid choice, degrees outermost."""
+        """Every valid choice, degrees outermost; one rank order of those that place the
+        ranks alike (``distinct_orders``)."""
         out = []
         with _gc_paused():
             for tp, cp, dp, pp in self.degree_tuples():
                 eps = self.ep_choices(dp)
                 for mb in self.microbatch_choices(dp):
                     n_micro = self.global_batch // (dp * mb)
+                    orders = self.distinct_orders({"tp": tp, "cp": cp, "dp": dp, "pp": pp})
                     for ep, (sched, v), rec, zero, order in itertools.product(
-                        eps,
-                        self.schedules(pp, n_micro),
-                        RECOMPUTE_MODES,
-                        ZERO_STAGES,
-                        range(len(self.orders)),
+                        eps, self.schedules(pp, n_micro), RECOMPUTE_MODES, ZERO_STAGES, orders
                     ):
                         out.append(Choice(tp, cp, dp, pp, ep, mb, sched, v, rec, zero, order))
         return out

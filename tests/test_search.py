@@ -54,6 +54,23 @@ def test_space_rules_agree_with_the_config_checks(name):
         assert space.is_valid(bad) == (bad in members)
 
 
+def test_rank_orders_that_place_ranks_alike_are_one_plan(params):
+    space = SPACES["llama"]
+    choices = space.choices()
+    swapped = [c for c in choices if c.order == 1]
+    assert swapped and all(c.dp > 1 and c.pp > 1 for c in swapped)
+    # with pp = 1 the orders tp-cp-dp-pp and tp-cp-pp-dp place every rank alike: the same
+    # prediction, so the space keeps the first and calls the other invalid
+    c = next(c for c in choices if c.pp == 1 and c.dp > 1)
+    twin = c._replace(order=1)
+    assert twin not in set(choices) and not space.is_valid(twin)
+    assert space.canonical(twin) == c
+    m, cl = model_arrays(space.model), cluster_arrays(space.cluster)
+    plans = jax.tree_util.tree_map(jnp.asarray, space.to_arrays([c, twin]))
+    times = jax.vmap(lambda p: simulate(m, p, cl, params).iteration_s)(plans)
+    assert float(times[0]) == float(times[1])
+
+
 def test_no_valid_factorization_is_a_clear_error():
     # tp divides kv_heads=4 and pp the 16 layers: dp >= 256 / (4 * 16) = 4 never divides 3
     with pytest.raises(config.ConfigError, match="no valid plan.*global_batch=3"):

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # every in-process sweep uses this chunk: one compilation serves the whole file (not a power
 # of two, so no search test's evaluation bucket has compiled it before this file runs)
 CHUNK = 96
-SMALL = ("llama3-8b", "dgx-h100", 8, 32)  # 6,264 configurations
+SMALL = ("llama3-8b", "dgx-h100", 8, 32)  # 4,092 configurations
 NOTHING_FITS = ("llama3-70b", "dgx-h100", 1, 8)  # 96 configurations, none fits in 80 GiB
 # XLA:CPU compiles a program partitioned over several devices, a batch of another size and
 # the unbatched simulate_jit differently (divisions by a replicated scalar turned into
@@ -273,7 +273,7 @@ def test_cli_json_writes_files(capsys, tmp_path):
     argv += ["--global-batch", str(SMALL[3]), "--chunk", str(CHUNK), "--top", "3"]
     assert _run_cli([*argv, "--out", str(out), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["space_size"] == 6264 and d["n_gpus"] == 8 and d["global_batch"] == 32
+    assert d["space_size"] == 4092 and d["n_gpus"] == 8 and d["global_batch"] == 32
     assert sum(d["status_counts"].values()) == d["space_size"] and d["fits"]
     assert len(d["top"]) == 3
     times = [row["iteration_s"] for row in d["top"]]
@@ -293,7 +293,7 @@ def test_cli_table(capsys):
     assert "constants: datasheet defaults" in out
     for word in ("fastest plans that fit", "iteration s", "MFU", "configurations/s", "Pareto"):
         assert word in out
-    assert "6,264 configurations" in out
+    assert "4,092 configurations" in out
 
 
 def test_cli_nothing_fits(capsys):
@@ -319,7 +319,7 @@ def test_cli_bad_input_raises_config_error():
 
 def test_sharded_equals_unsharded(sharded_runs, small):
     """One process with 4 devices and two processes with 2 devices each (``jax.distributed``),
-    7 chunks of 1,000 of the 6,264 plans, the last one padded; against this process's sweep
+    5 chunks of 1,000 of the 4,092 plans, the last one padded; against this process's sweep
     on one device in chunks of 96 (``small``: float64 and strict promotion, as in the
     subprocesses; one device unless XLA_FLAGS forces more)."""
     folder, procs = sharded_runs
