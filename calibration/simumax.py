@@ -24,9 +24,12 @@ of a new machine and no training run on it:
     row's bandwidth. SimuMax counts that bandwidth in GiB/s (``gbps * 1024**3`` in its
     ``compute_mem_access_time``), so the rate is ``efficiency * bandwidth_GBps * 2^30`` B/s.
   - An optional column ``load`` says how the GEMM and attention rows were timed: ``burst``
-    (blank; kernels timed alone on a cool GPU, as SimuMax's and XLA's tables are) or
+    (blank; the kernel's rate on a GPU that has not yet settled under its power limit) or
     ``sustained`` (back to back until the clock settles under the power limit, as
-    ``benchmarks/gpu_measure.py`` times them). A sustained row is compared with the model's
+    ``benchmarks/gpu_measure.py`` times them). SimuMax's own tables are read as burst; its
+    tool times each GEMM shape as 25 warm-up and 75 timed calls back to back
+    (``simu_tools/efficency_test/test_gemm_efficiency.py``), with host-side work between
+    groups of shapes, so they sit between the two. A sustained row is compared with the model's
     kernel at a training step's rate (``step_compute``, which otherwise scales only the
     end-to-end runs' kernels), so such a table does not count the clock drop twice.
   - skipped with the reason: ``grouped_gemm`` (the model times MoE expert GEMMs as dense
