@@ -144,3 +144,39 @@ def test_megatron_bridge_fsdp_recipes_offload_on_grace_blackwell_only():
         _, plan, _, used = row_to_specs(rows[row - 1], cache)
         assert plan.offload_fraction == share
         assert any("offloaded" in u for u in used) == (share > 0)
+
+
+_MEGATRON = "--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+
+
+@pytest.mark.parametrize(
+    "flags, share",
+    [
+        ("", 0.0),
+        ("--cpu-offloading", 0.0),  # the switch alone offloads Megatron's default of 0 layers
+        ("--cpu-offloading-num-layers 2", 0.25),  # a count turns the switch on (validate_args)
+        ("--cpu-offloading --cpu-offloading-num-layers 6", 0.75),
+        ("--cpu-offloading-num-layers 0", 0.0),
+    ],
+)
+def test_megatron_cpu_offloading_flags(flags, share):
+    from diffcost.megatron_args import parse_megatron_args
+
+    _, plan, ignored = parse_megatron_args(_MEGATRON + flags, n_gpus=4)
+    assert (plan.offload_fraction, ignored) == (share, [])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--cpu-offloading-num-layers 8", "0 to 7 of the 8 layers"),
+        ("--cpu-offloading-num-layers 2 --pipeline-model-parallel-size 2", "one pipeline stage"),
+        ("--cpu-offloading-num-layers 2 --recompute-activations", "recomputation"),
+        ("--cpu-offloading-num-layers two", "not a number"),
+    ],
+)
+def test_megatron_cpu_offloading_errors(flags, message):
+    from diffcost.megatron_args import parse_megatron_args
+
+    with pytest.raises(ValueError, match=message):
+        parse_megatron_args(_MEGATRON + flags, n_gpus=4)
