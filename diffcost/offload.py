@@ -14,13 +14,13 @@ the backward. ``PlanSpec.offload_fraction`` is the share of the layers treated s
   handler (``cpu_offload_v1.py``, ``AsyncDoubleBufferGroupOffloadHandler.layer_window_map``)
   gives each of the ``k`` offloaded layers a window of ``L / k`` layers of forward to finish its
   copy in, and ``L / k`` layers of backward to bring it back; the later scheduler
-  (``cpu_offload.py``, ``OffloadSynchronizer``, TE 2.10 on) starts each copy as soon as the
-  tensor is saved and waits for it only ``L - k`` layers later. Either way the copies are
-  serialised on one side stream and hidden while they fit in the compute of all ``L`` layers,
-  so the model overlaps ``offload_fraction`` of one layer's copy with every layer's forward
-  and backward (recompute included) the way it overlaps every other transfer
-  (``stages._overlap``: each stream slows by the interference factor over the overlapping
-  time). What the copies do not hide lengthens the layer.
+  (``cpu_offload.py``, ``OffloadSynchronizer``, TE pull request #1762, late 2025) starts
+  each copy as soon as the tensor is saved and waits for it only ``L - k`` layers later.
+  Either way the copies are serialised on one side stream and hidden while they fit in the
+  compute of all ``L`` layers, so the model overlaps ``offload_fraction`` of one layer's copy
+  with every layer's forward and backward (recompute included) the way it overlaps every
+  other transfer (``stages._overlap``: each stream slows by the interference factor over the
+  overlapping time). What the copies do not hide lengthens the layer.
 * **Bytes** (``saved_bytes``): what the layer saves for its backward
   (``layer_ops._saved_bytes``): with FP8/FP4 GEMMs Transformer Engine keeps the GEMM inputs
   quantized, which is what its handler copies (the quantized tensor's data and scales); the
