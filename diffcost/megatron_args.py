@@ -22,6 +22,7 @@ _VALUE_FLAGS = {
     "--recompute-granularity": "recompute",
     "--recompute-method": "recompute_method",
     "--recompute-num-layers": "recompute_num_layers",
+    "--cpu-offloading-num-layers": "offload_layers",
     "--num-layers": "n_layers",
     "--hidden-size": "hidden",
     "--ffn-hidden-size": "ffn_hidden",
@@ -42,6 +43,7 @@ _SWITCH_FLAGS = {
     "--sequence-parallel": "sp",
     "--use-distributed-optimizer": "dist_opt",
     "--recompute-activations": "recompute_selective",
+    "--cpu-offloading": "cpu_offloading",
     "--swiglu": "swiglu",
     "--untie-embeddings-and-output-weights": "untied",
     "--disable-bias-linear": "no_bias",
@@ -174,6 +176,7 @@ def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
         share = min(1.0, num("recompute_num_layers", 1) * pp * chunks / model.n_layers)
         if share <= 0.0:  # no layer checkpointed
             recompute, share = "none", 1.0
+    offload = _offload_fraction(flags, model, pp, recompute)
     return PlanSpec(
         tp=tp,
         pp=pp,
@@ -184,6 +187,7 @@ def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
         zero=1 if "dist_opt" in switches else 0,
         recompute=recompute,
         recompute_fraction=share,
+        offload_fraction=offload,
         microbatch=mb,
         global_batch=num("global_batch", mb * dp),
         schedule="interleaved" if chunks > 1 else "1f1b",
@@ -195,3 +199,33 @@ def _plan(flags: _Flags, model: ModelSpec, n_gpus: int) -> PlanSpec:
         grad_reduce_fp32=(model.precision != "fp16" or "fp32_grads" in switches)
         and "bf16_grads" not in switches,
     )
+
+
+def _offload_fraction(flags: _Flags, model: ModelSpec, pp: int, recompute: str) -> float:
+    """Share of the layers whose activations go to host memory (``PlanSpec.offload_fraction``).
+
+    Megatron-LM's ``validate_args`` (megatron/training/arguments.py) turns ``--cpu-offloading``
+    on when ``--cpu-offloading-num-layers`` (default 0) is positive; ``--cpu-offloading`` alone
+    offloads 0 layers. Megatron-Core's ``TransformerConfig.__post_init__``
+    (megatron/core/transformer/transformer_config.py) then requires ``0 <= N < num_layers``,
+    one pipeline stage and no activation recompute; the same errors are raised here.
+    """
+    layers = flags.num("offload_layers", 0)
+    if layers <= 0 and "cpu_offloading" not in flags.switches:
+        return 0.0
+    if not 0 <= layers < model.n_layers:
+        raise ValueError(
+            f"--cpu-offloading-num-layers {layers}: Megatron-Core offloads 0 to "
+            f"{model.n_layers - 1} of the {model.n_layers} layers"
+        )
+    if pp > 1:
+        raise ValueError(
+            f"--cpu-offloading with --pipeline-model-parallel-size {pp}: Megatron-Core supports "
+            "CPU offloading with one pipeline stage only"
+        )
+    if recompute != "none":
+        raise ValueError(
+            f"--cpu-offloading with recompute {recompute!r}: Megatron-Core does not combine "
+            "CPU offloading with activation recomputation"
+        )
+    return layers / model.n_layers

@@ -9,16 +9,34 @@ the backward. ``PlanSpec.offload_fraction`` is the share of the layers treated s
 
 * **Time** (``copy_s``, used by ``stages.layer_parts_s``): each offloaded layer moves its saved
   activations once each way per microbatch over the GPU-host link (``ClusterSpec.host_link_GBps``,
-  one direction: half the datasheet's both-directions figure), overlapped with that layer's
-  forward and with its backward (recompute included) the way the model overlaps every other
-  transfer (``stages._overlap``: each stream slows by the interference factor over the
-  overlapping time). What the copy does not hide lengthens the layer.
+  one direction: half the datasheet's both-directions figure). Transformer Engine spreads the
+  copies over the whole pass rather than over the offloaded layer alone: its load-balanced
+  handler (``cpu_offload_v1.py``, ``AsyncDoubleBufferGroupOffloadHandler.layer_window_map``)
+  gives each of the ``k`` offloaded layers a window of ``L / k`` layers of forward to finish its
+  copy in, and ``L / k`` layers of backward to bring it back; the later scheduler
+  (``cpu_offload.py``, ``OffloadSynchronizer``, TE pull request #1762, late 2025) starts
+  each copy as soon as the tensor is saved and waits for it only ``L - k`` layers later.
+  Either way the copies are serialised on one side stream and hidden while they fit in the
+  compute of all ``L`` layers, so the model overlaps ``offload_fraction`` of one layer's copy
+  with every layer's forward and backward (recompute included) the way it overlaps every
+  other transfer (``stages._overlap``: each stream slows by the interference factor over the
+  overlapping time). What the copies do not hide lengthens the layer.
+* **Bytes** (``saved_bytes``): what the layer saves for its backward
+  (``layer_ops._saved_bytes``): with FP8/FP4 GEMMs Transformer Engine keeps the GEMM inputs
+  quantized, which is what its handler copies (the quantized tensor's data and scales); the
+  scheduler skips parameters and tensors under 2^20 elements (norm statistics, softmax
+  statistics), which the count leaves out too. The first scheduler copies only the tensors TE
+  modules mark (``mark_activation_offload``: norm inputs and outputs, Q/K/V and the attention
+  output, the Linear inputs), not Megatron-Core's SwiGLU input; the later one copies every
+  saved tensor, which the model follows.
 * **Memory** (``resident_activation_bytes``, used by ``simulate.memory``): the offloaded layers'
   activations leave the GPU; one layer's worth stays as the staging buffer of the copies.
 
 References:
-    Transformer Engine, ``transformer_engine/pytorch/cpu_offload.py`` (the double-buffered
-    group offload handler); Megatron-Core ``TransformerConfig.cpu_offloading*``.
+    Transformer Engine, ``transformer_engine/pytorch/cpu_offload.py`` (``OffloadSynchronizer``,
+    default scheduling), ``cpu_offload_v1.py`` (``AsyncDoubleBufferGroupOffloadHandler``) and
+    ``docs/features/other_optimizations/cpu_offloading/cpu_offloading.rst``; Megatron-Core
+    ``TransformerConfig.cpu_offloading*``.
 """
 
 from __future__ import annotations
@@ -60,6 +78,11 @@ def copy_s(work: LayerWork, plan: PlanArrays, cluster: ClusterArrays):
 def exposed_s(core_s, host_copy_s, plan: PlanArrays, overlap_fn):
     """What the copies of the offloaded layers add to the average layer ([2]: forward, backward).
 
+    ``k`` of ``L`` layers each copy ``host_copy_s`` one way, spread over the compute of all
+    ``L`` layers: the average layer overlaps ``(k / L) * host_copy_s`` of copying with its own
+    compute (one copy per window of ``L / k`` layers, which is the same for an overlap that
+    scales with its inputs).
+
     Args:
         core_s: [2] seconds of one layer's forward and backward (recompute included).
         host_copy_s: ``copy_s``, one direction.
@@ -67,10 +90,10 @@ def exposed_s(core_s, host_copy_s, plan: PlanArrays, overlap_fn):
         overlap_fn: ``(compute_s, copy_s) -> seconds`` of the two streams run together.
 
     Returns:
-        [2] seconds, ``plan.offload`` times each offloaded layer's exposed copy and
-        interference; 0 without offloading.
+        [2] seconds, the exposed copy time and interference per layer; exactly 0 without
+        offloading.
     """
-    return plan.offload * (overlap_fn(core_s, host_copy_s) - core_s)
+    return overlap_fn(core_s, plan.offload * host_copy_s) - overlap_fn(core_s, 0.0 * host_copy_s)
 
 
 def resident_activation_bytes(act_layer, layers, in_flight, plan: PlanArrays):

@@ -393,8 +393,9 @@ def layer_parts_s(
     the experts and one back) in series; the host dispatches alongside; the shape factor scales
     it all. Recompute adds the attention core (selective) or the whole forward (full) to the
     backward; ZeRO-3 gathers and scatters overlap with the layer; the offloaded layers' copies
-    to and from host memory over the cluster's host link (``offload.copy_s``) overlap with their
-    forward and backward, and what they leave exposed counts as compute (``offload.exposed_s``).
+    to and from host memory over the cluster's host link (``offload.copy_s``), spread over every
+    layer's forward and backward, overlap with them, and what they leave exposed counts as
+    compute (``offload.exposed_s``).
 
     Returns:
         [2, 5] seconds: rows forward, backward; columns compute, tp, cp, ep, zero.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from diffcost.arrays import ACT_BYTES, ModelArrays, PlanArrays
+from diffcost.specs import PRECISIONS
 from diffcost.workload import (
     Gemms,
     LayerWork,
@@ -41,6 +42,10 @@ _ELEMENTWISE_PASSES_H = 2 * 2.0 + 2 * 4.0
 # element of the forward inputs and, in backward, of the output gradients. Weights are cast once
 # per iteration (cached across microbatches) and are left out.
 _CAST_BYTES_PER_ELEMENT = 2.0 + 1.0 + 1.0
+# Bytes per element of a quantized GEMM input kept for backward: FP8 1, NVFP4 0.5 + a 1-byte
+# scale per 16 elements.
+_SAVED_FP8_BYTES = 1.0
+_SAVED_FP4_BYTES = 0.5625
 
 
 def _token_counts(model: ModelArrays, plan: PlanArrays):
@@ -165,16 +170,22 @@ def _activation_bytes(model: ModelArrays, plan: PlanArrays, t, sp_t, routed):
     dropout; absent with fused attention, and under selective recompute). Full recompute keeps
     only each layer's input. For GPT (``f = 4 h``, ``kv = heads``, dropout) this is the paper's
     ``s b h (34 + 5 a s / h) / t`` with SP, ``34 s b h / t`` selective, ``2 s b h / t`` full.
+    In FP8/FP4 the inputs of QKV, the attention projection, FC1 and FC2 are kept quantized
+    (``g`` bytes), and without recompute the attention also keeps its 16-bit output.
     """
     h, f = model.hidden, model.ffn_hidden
     kv = model.kv_heads / model.heads
-    split_sp = (_SP_SPLIT_ACT_PER_H + _DROPOUT_MASKS_PER_H * model.dropout) * sp_t * h
-    attn = t * (2.0 * h * (1.0 + 2.0 * kv) + 2.0 * h) / plan.tp
-    mlp = routed * (ACT_BYTES * f * (1.0 + model.swiglu) + ACT_BYTES * f) / plan.tp
-    mlp = mlp + (routed - t) * ACT_BYTES * h / plan.tp  # routed copies of the MLP input
+    fp8, fp4 = (model.precision[PRECISIONS.index(p)] for p in ("fp8", "fp4"))
+    low = fp8 + fp4
+    g = ACT_BYTES * (1.0 - low) + _SAVED_FP8_BYTES * fp8 + _SAVED_FP4_BYTES * fp4
+    norms = (_SP_SPLIT_ACT_PER_H / 2.0) * sp_t * h  # the two 16-bit norm inputs
+    split_sp = norms + 2.0 * g * sp_t * h + _DROPOUT_MASKS_PER_H * model.dropout * sp_t * h
+    attn = t * (2.0 * h * (1.0 + 2.0 * kv) + g * h) / plan.tp
+    mlp = routed * (ACT_BYTES * f * (1.0 + model.swiglu) + g * f) / plan.tp
+    mlp = mlp + (routed - t) * g * h / plan.tp  # routed copies of the MLP input
     score_b = _SCORE_ACT_BYTES + _SCORE_DROPOUT_BYTES * model.dropout
     scores = score_b * model.heads / plan.tp * t * model.seq_len * (1.0 - model.flash)
     selective = split_sp + attn + mlp
-    none = selective + scores
+    none = selective + scores + ACT_BYTES * low * t * h / plan.tp  # 16-bit attention output
     full = ACT_BYTES * sp_t * h
     return jnp.stack([none, selective, full])

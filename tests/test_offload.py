@@ -75,6 +75,36 @@ def test_offloaded_layers_leave_the_gpu():
     np.testing.assert_allclose(kept - half, (LLAMA.n_layers / 2 - 0.5) * layer, rtol=1e-9)
 
 
+@pytest.mark.parametrize("precision, fp4", [("fp8", False), ("fp4", True)])
+def test_low_precision_layers_copy_their_gemm_inputs_quantized(precision, fp4):
+    """Transformer Engine keeps the inputs of QKV, FC1 and FC2 quantized (FP8 1 byte, NVFP4
+    0.5625) and the attention output twice (16-bit and quantized); the norm inputs, Q/K/V and
+    the SwiGLU input stay 16-bit: ``(8 + 2 q) h + (2 + q) h + 2 h (1 + 2 kv / heads)`` per
+    token plus ``(4 + q) f`` at tp 1 (11.5 h + 5 f in FP8, 12.5 h + 6 f in bf16)."""
+    plan = dataclasses.replace(PLAN, offload_fraction=0.5)
+    h, f = LLAMA.hidden, LLAMA.ffn_hidden
+    tokens = plan.microbatch * LLAMA.seq_len
+    qkv = 2.0 * h * (1.0 + 2.0 * LLAMA.kv_heads / LLAMA.heads)
+    for prec, q in (("bf16", 2.0), (precision, 0.5625 if fp4 else 1.0)):
+        model = dataclasses.replace(LLAMA, precision=prec, dropout=False)  # no dropout masks
+        m, p, _ = arrays(model, plan)
+        per_token = (4.0 + 2.0 * q) * h + (2.0 + q if q < 2.0 else 2.0) * h + qkv + (4.0 + q) * f
+        saved = float(offload.saved_bytes(workload.layer_work(m, p), p))
+        assert saved == pytest.approx(tokens * per_token, rel=REL)
+
+
+def test_copies_spread_over_every_layer():
+    """k of L layers copy once each, spread over all L layers (TE's scheduler): the average
+    layer overlaps k / L of one copy with its compute, so a copy longer than one layer's
+    compute stays hidden while k / L of it fits."""
+    m, p, _ = arrays(LLAMA, PLAN)
+    core, copy = jnp.array([1.0, 2.0]), 3.0
+    exact = lambda a, b: jnp.maximum(a, b)  # noqa: E731  no interference
+    for share, exposed in ((0.25, [0.0, 0.0]), (0.5, [0.5, 0.0]), (0.0, [0.0, 0.0])):
+        got = offload.exposed_s(core, copy, p.replace(offload=share), exact)
+        np.testing.assert_allclose(np.asarray(got), exposed, atol=1e-15)
+
+
 def test_gradient_is_finite():
     m, p, c = arrays(LLAMA, dataclasses.replace(PLAN, offload_fraction=0.5))
     params = default_params(jnp.float64)
@@ -114,3 +144,39 @@ def test_megatron_bridge_fsdp_recipes_offload_on_grace_blackwell_only():
         _, plan, _, used = row_to_specs(rows[row - 1], cache)
         assert plan.offload_fraction == share
         assert any("offloaded" in u for u in used) == (share > 0)
+
+
+_MEGATRON = "--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+
+
+@pytest.mark.parametrize(
+    "flags, share",
+    [
+        ("", 0.0),
+        ("--cpu-offloading", 0.0),  # the switch alone offloads Megatron's default of 0 layers
+        ("--cpu-offloading-num-layers 2", 0.25),  # a count turns the switch on (validate_args)
+        ("--cpu-offloading --cpu-offloading-num-layers 6", 0.75),
+        ("--cpu-offloading-num-layers 0", 0.0),
+    ],
+)
+def test_megatron_cpu_offloading_flags(flags, share):
+    from diffcost.megatron_args import parse_megatron_args
+
+    _, plan, ignored = parse_megatron_args(_MEGATRON + flags, n_gpus=4)
+    assert (plan.offload_fraction, ignored) == (share, [])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--cpu-offloading-num-layers 8", "0 to 7 of the 8 layers"),
+        ("--cpu-offloading-num-layers 2 --pipeline-model-parallel-size 2", "one pipeline stage"),
+        ("--cpu-offloading-num-layers 2 --recompute-activations", "recomputation"),
+        ("--cpu-offloading-num-layers two", "not a number"),
+    ],
+)
+def test_megatron_cpu_offloading_errors(flags, message):
+    from diffcost.megatron_args import parse_megatron_args
+
+    with pytest.raises(ValueError, match=message):
+        parse_megatron_args(_MEGATRON + flags, n_gpus=4)
