@@ -14,8 +14,8 @@ with NCCL's LL128 protocol beside Simple (``protocols=True``). The graph path's
 own constants, which ``comm`` and so the shipped profiles do not have
 (``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
 cluster's ``nvlink_eff`` and NVLS constants (``GRAPH_CLUSTER_DEVICE_CONSTANTS``) per cluster
-(and, where its tables are XLA's, its Simple curve's ``half_bw_bytes`` and NVLink latency
-scale: ``PROTOCOL_CLUSTER_CONSTANTS``), by ``calibration.network_fit`` on these
+(and, where its tables are XLA's, its Simple curve's ``half_bw_bytes``, NVLink latency
+scale and cost per call: ``PROTOCOL_CLUSTER_CONSTANTS``), by ``calibration.network_fit`` on these
 same tables (all other constants stay at the profiles). Prints the MAPE per cluster: the graph
 with those fitted constants (in sample), with the graph constants at their datasheet defaults and
 ``nvlink_eff`` at the profile ("prior"), with all of them fitted on the other half

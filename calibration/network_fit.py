@@ -30,9 +30,12 @@ SWITCH_CONSTANTS = ("nvls_ratio", "nvls_latency_s")
 PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes")
 # With LL128 beside it, the Simple protocol's small-message curve is its own: ``comm``'s fit set
 # ``half_bw_bytes`` for one curve serving every size, so a cluster priced with ``protocols``
-# refits it, and the NVLink hop latency, which ``comm``'s fit set for one protocol's steps
-# (LL128's are ``LL128_STEP_LATENCY_RATIO`` of Simple's) and without NVLS beside the ring.
-PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes", "nvlink_latency_scale")
+# refits it, the NVLink hop latency, which ``comm``'s fit set for one protocol's steps (LL128's
+# are ``LL128_STEP_LATENCY_RATIO`` of Simple's) and without NVLS beside the ring, and the cost
+# per call (XLA's table times each collective as one executable's run, ``compute_time_ns`` of
+# its execution profile, median of 5, not as nccl-tests' loop of back-to-back calls; ``comm``'s
+# one curve had absorbed part of that cost).
+PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes", "nvlink_latency_scale", "collective_overhead_s")
 # What ``benchmarks/topology_collectives.py`` fits: per GPU family the XLA tables' chunk pass,
 # send/recv curve, channels and peers in flight (``diffcost.network.sendrecv``), LL128
 # protocol and NVLS's cost per chunk (``diffcost.network.nvls``); per cluster its NVLink

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from calibration.network_fit import PricedTable, fit_switch_constants
+from calibration.network_fit import PROTOCOL_CLUSTER_CONSTANTS, PricedTable, fit_switch_constants
 from diffcost.config import ConfigError, load_cluster
 from diffcost.network import cost, nvls
 from diffcost.network.generators import from_cluster, switch_domain
@@ -150,3 +150,38 @@ def test_nvls_all_gather_and_reduce_scatter_over_at_most_32_ranks():
     for collective in ("all_gather", "reduce_scatter"):
         assert "nvls" in cost.collective_pricing(topo, collective, 32, n_groups=2).names
         assert "nvls" not in cost.collective_pricing(topo, collective, 36, n_groups=2).names
+
+
+def test_fit_recovers_an_xla_clusters_own_curve_latency_and_call_cost():
+    """``PROTOCOL_CLUSTER_CONSTANTS`` (fitted per cluster on XLA's tables) are identified
+    together by tables over two group sizes: the call cost is paid once, the hop latency once per
+    ring step."""
+    topo = switch_domain(8, LinkSpec(450e9, 1e-6), switch_reduction=True)
+    cap = jnp.asarray(topo.capacity_Bps)
+    params = default_params(jnp.float64)
+    truth = params.replace(
+        collective_overhead_log_s=jnp.log(jnp.asarray(15e-6)),
+        nvlink_latency_log_scale=jnp.log(jnp.asarray(3.0)),
+        half_bw_log_bytes=jnp.log(jnp.asarray(8.0 * MiB)),
+    )
+    sizes = 2.0 ** np.arange(16, 32)
+    tables = []
+    for n in (2, 8):
+        pricing = cost.collective_pricing(
+            topo, "all_gather", n, 8 // n, algorithms=("ring",), xla=True, protocols=True
+        )
+        price = jax.jit(
+            jax.vmap(
+                lambda p, m, pr=pricing: cost.collective_time_s(pr, m, cap, p, 0.0),
+                in_axes=(None, 0),
+            )
+        )
+        tables.append(
+            PricedTable("t", "h100", price, sizes, np.asarray(price(truth, sizes)), params)
+        )
+    fitted = fit_switch_constants(
+        tables, names=(), cluster_extra={"t": PROTOCOL_CLUSTER_CONSTANTS}, steps=600
+    )["t"]
+    assert fitted["collective_overhead_s"] == pytest.approx(15e-6, rel=0.1)
+    assert fitted["nvlink_latency_scale"] == pytest.approx(3.0, rel=0.1)
+    assert fitted["half_bw_bytes"] == pytest.approx(8.0 * MiB, rel=0.25)  # prior pulls to 1 MiB
