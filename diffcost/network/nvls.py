@@ -16,8 +16,8 @@ channel streams ``chunk / (chunk + nvls_chunk_bytes)`` of its rate. The chunk is
 stays NVLS's efficiency for large messages. ``ops`` is ``NVLS_CHANNELS`` of the GPU family
 (NCCL's ``nvlsChannels``: 16 on Hopper, 24 on Blackwell within one NVLink domain, ``src/
 transport/nvls.cc``) times the group's ranks: XLA's all-reduce tables over 4 to 72 GB200 and
-GB300 GPUs step up in bus bandwidth at ``msg = 12.6 MiB * n`` (32 -> 64 KiB: +15-40%) and, for 4 to
-36 GPUs, at ``msg = 201 MiB * n`` (64 -> 128 KiB: +3-13%), the same bytes per rank for every group
+GB300 GPUs step up in bus bandwidth at ``msg = 12 MiB * n`` (32 -> 64 KiB: +12-42%) and, for 4 to
+36 GPUs, at ``msg = 192 MiB * n`` (64 -> 128 KiB: +3-13%), the same bytes per rank for every group
 size, so NCCL's ``nHeads`` is read as the group's ranks.
 
 NCCL offers NVLS to all-gather and reduce-scatter only over at most ``NVLS_MAX_ARITY`` local ranks
