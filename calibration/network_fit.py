@@ -30,11 +30,16 @@ SWITCH_CONSTANTS = ("nvls_ratio", "nvls_latency_s")
 PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes")
 # With LL128 beside it, the Simple protocol's small-message curve is its own: ``comm``'s fit set
 # ``half_bw_bytes`` for one curve serving every size, so a cluster priced with ``protocols``
-# refits it.
-PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes",)
+# refits it, the NVLink hop latency, which ``comm``'s fit set for one protocol's steps (LL128's
+# are ``LL128_STEP_LATENCY_RATIO`` of Simple's) and without NVLS beside the ring, and the cost
+# per call (XLA's table times each collective as one executable's run, ``compute_time_ns`` of
+# its execution profile, median of 5, not as nccl-tests' loop of back-to-back calls; ``comm``'s
+# one curve had absorbed part of that cost).
+PROTOCOL_CLUSTER_CONSTANTS = ("half_bw_bytes", "nvlink_latency_scale", "collective_overhead_s")
 # What ``benchmarks/topology_collectives.py`` fits: per GPU family the XLA tables' chunk pass,
-# send/recv curve, channels and peers in flight (``diffcost.network.sendrecv``) and LL128
-# protocol; per cluster its NVLink efficiency (the profiles' value was fitted by
+# send/recv curve, channels and peers in flight (``diffcost.network.sendrecv``), LL128
+# protocol and NVLS's cost per chunk (``diffcost.network.nvls``); per cluster its NVLink
+# efficiency (the profiles' value was fitted by
 # ``diffcost.comm``, whose one ring bandwidth per cluster absorbs the chunk pass) and, as device
 # constants fitted per cluster (``SwitchFit(cluster_device=)``), the switch constants: NVLS's
 # efficiency over the ring's and its fixed cost per call are set by the software that runs it
@@ -50,6 +55,7 @@ GRAPH_CONSTANTS = (
     "sendrecv_concurrency",
     "sendrecv_balance_bytes",
     *PROTOCOL_CONSTANTS,
+    "nvls_chunk_bytes",
 )
 GRAPH_CLUSTER_CONSTANTS = ("nvlink_eff",)
 GRAPH_CLUSTER_DEVICE_CONSTANTS = SWITCH_CONSTANTS

@@ -116,8 +116,13 @@ class Constant:
 # of the line rate, so 0.69 / 0.82 = 0.83. Its fixed cost per call, ``nvls_latency_s``,
 # defaults to NCCL's own tuning model (src/graph/tuning.cc: hwLat for NVLS over NVLink, Simple
 # protocol, 25 us; the ring's is 3.4 us per step). Both are device constants (the NVSwitch
-# generation comes with the GPU family). ``diffcost.comm`` does not use them (the graph path and
-# ``calibration.network_fit`` do), so the joint fit leaves them at their prior.
+# generation comes with the GPU family). NCCL moves NVLS in chunks it shrinks for small messages
+# (``diffcost.network.nvls``), each paying a fixed cost: ``nvls_chunk_bytes`` is that cost as
+# bytes a channel would stream meanwhile, the chunk at which NVLS reaches half its rate. Its
+# default is a round trip of ~1 us through the switch at a channel's ~20 GB/s (NCCL's NVLink
+# rate per channel in its topology search), one e-fold wide; a device constant too.
+# ``diffcost.comm`` does not use them (the graph path and ``calibration.network_fit`` do), so
+# the joint fit leaves them at their prior.
 # XLA's collective table (``shared/data`` README: each XLA-emitted collective timed alone)
 # takes longer over small groups than NCCL's ring does: all-gather, reduce-scatter and
 # all-reduce over 2, 4 and 8 H100 or B200 fit the ring at one bandwidth for every group size
@@ -269,6 +274,8 @@ CONSTANTS = (
        "NVLink SHARP efficiency over NVLink efficiency", "%", 100.0),
     _C("nvls_latency_s", "nvls_latency_log_s", "log", 25e-6, 1.0, "device",
        "NVLink SHARP latency", "µs", 1e6),
+    _C("nvls_chunk_bytes", "nvls_chunk_log_bytes", "log", 20e3, 1.0, "device",
+       "NVLink SHARP fixed cost per chunk, in bytes", "KiB", 2.0**-10),
     _C("chunk_pass_Bps", "chunk_pass_log_Bps", "log", 1e12, 1.0, "device",
        "unpipelined pass over a rank's chunk (XLA tables)", "GB/s", 1e-9),
     _C("chunk_reduce_Bps", "chunk_reduce_log_Bps", "log", 1e12, 1.0, "device",

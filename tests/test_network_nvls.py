@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from calibration.network_fit import PricedTable, fit_switch_constants
+from calibration.network_fit import PROTOCOL_CLUSTER_CONSTANTS, PricedTable, fit_switch_constants
 from diffcost.config import ConfigError, load_cluster
-from diffcost.network import cost
+from diffcost.network import cost, nvls
 from diffcost.network.generators import from_cluster, switch_domain
 from diffcost.network.graph import LinkSpec
 from diffcost.network.load import load_topology
@@ -29,8 +29,9 @@ def test_nvls_on_one_node_is_its_closed_form(collective, switches):
     msg = 256 * MiB
     got = cost.collective_time_s(pricing, msg, topo.capacity_Bps, params, temperature=0.0)
     present = msg / (msg + 1.0)
-    step = msg + float(params.half_bw_bytes) * present
+    step = msg  # NVLS's small-message curve is its chunks', not the Simple buffers'
     eff = float(params.nvls_ratio) * float(params.nvlink_eff)  # relative to the ring's
+    eff *= float(nvls.chunk_efficiency(params, msg, nvls.DEFAULT_NVLS_CHANNELS * n))
     band = max(SHARES[collective]) * step / (bw * eff)
     passes = 2 if collective == "all_reduce" else 1  # each up and down one GPU-switch hop
     latency = passes * 2 * lat * float(params.nvlink_latency_scale) * present
@@ -108,3 +109,79 @@ def test_fit_recovers_known_switch_constants():
     fitted = fit_switch_constants([table], steps=400)["t"]
     assert fitted["nvls_ratio"] == pytest.approx(0.6, rel=0.02)
     assert fitted["nvls_latency_s"] == pytest.approx(15e-6, rel=0.05)
+
+
+def test_nvls_chunk_follows_nccls_steps_per_operation():
+    ops = 24 * 8
+    sizes = ops * np.array([8e3, 2e5, 2e6, 1e8])  # bytes per operation between NCCL's steps
+    chunks = np.asarray(nvls.chunk_bytes(jnp.asarray(sizes), ops))
+    np.testing.assert_allclose(chunks / 1024, [16, 32, 64, 128], rtol=0.02)
+    # the same bytes per rank give the same chunk over 8 and 64 ranks (ops = channels x ranks)
+    assert float(nvls.chunk_bytes(24 * 64 * 2e6, 24 * 64)) == pytest.approx(float(chunks[2]))
+    params = default_params(jnp.float64)
+    eff = np.asarray(nvls.chunk_efficiency(params, jnp.asarray(sizes), ops))
+    assert eff[-1] == pytest.approx(1.0, abs=1e-3) and np.all(np.diff(eff) > 0)
+    assert nvls.nvls_channels("gb200") == 24 and nvls.nvls_channels("h100") == 16
+
+
+def test_nvls_runs_slower_per_byte_on_small_chunks():
+    """NCCL's NVLS moves a small message in small chunks, each paying its fixed cost: without
+    ``chunk_efficiency`` the bandwidth term per byte would not depend on the size."""
+    n, bw = 8, 450e9
+    topo = switch_domain(n, LinkSpec(bw, 0.0), switch_reduction=True)
+    params = default_params(jnp.float64).replace(
+        half_bw_log_bytes=jnp.log(1.0), nvls_latency_log_s=jnp.log(1e-12),
+        collective_overhead_log_s=jnp.log(1e-12),
+    )  # fmt: skip
+    pricing = cost.collective_pricing(topo, "all_reduce", n, algorithms=("nvls",))
+    per_byte = [
+        float(cost.collective_time_s(pricing, m, topo.capacity_Bps, params, 0.0)) / m
+        for m in (16 * n * 4e3, 16 * n * 64e6)  # chunks of 16 and 128 KiB
+    ]
+    cost_bytes = float(params.nvls_chunk_bytes)
+    expected = (16384 + cost_bytes) / 16384 * 131072 / (131072 + cost_bytes)
+    assert per_byte[0] / per_byte[1] == pytest.approx(expected, rel=0.01)
+    assert expected > 1.5
+
+
+def test_nvls_all_gather_and_reduce_scatter_over_at_most_32_ranks():
+    topo = from_cluster(load_cluster("generic-gb200-nvl72"), 1)
+    assert "nvls" in cost.collective_pricing(topo, "all_reduce", 64).names
+    for collective in ("all_gather", "reduce_scatter"):
+        assert "nvls" in cost.collective_pricing(topo, collective, 32, n_groups=2).names
+        assert "nvls" not in cost.collective_pricing(topo, collective, 36, n_groups=2).names
+
+
+def test_fit_recovers_an_xla_clusters_own_curve_latency_and_call_cost():
+    """``PROTOCOL_CLUSTER_CONSTANTS`` (fitted per cluster on XLA's tables) are identified
+    together by tables over two group sizes: the call cost is paid once, the hop latency once per
+    ring step."""
+    topo = switch_domain(8, LinkSpec(450e9, 1e-6), switch_reduction=True)
+    cap = jnp.asarray(topo.capacity_Bps)
+    params = default_params(jnp.float64)
+    truth = params.replace(
+        collective_overhead_log_s=jnp.log(jnp.asarray(15e-6)),
+        nvlink_latency_log_scale=jnp.log(jnp.asarray(3.0)),
+        half_bw_log_bytes=jnp.log(jnp.asarray(8.0 * MiB)),
+    )
+    sizes = 2.0 ** np.arange(16, 32)
+    tables = []
+    for n in (2, 8):
+        pricing = cost.collective_pricing(
+            topo, "all_gather", n, 8 // n, algorithms=("ring",), xla=True, protocols=True
+        )
+        price = jax.jit(
+            jax.vmap(
+                lambda p, m, pr=pricing: cost.collective_time_s(pr, m, cap, p, 0.0),
+                in_axes=(None, 0),
+            )
+        )
+        tables.append(
+            PricedTable("t", "h100", price, sizes, np.asarray(price(truth, sizes)), params)
+        )
+    fitted = fit_switch_constants(
+        tables, names=(), cluster_extra={"t": PROTOCOL_CLUSTER_CONSTANTS}, steps=600
+    )["t"]
+    assert fitted["collective_overhead_s"] == pytest.approx(15e-6, rel=0.1)
+    assert fitted["nvlink_latency_scale"] == pytest.approx(3.0, rel=0.1)
+    assert fitted["half_bw_bytes"] == pytest.approx(8.0 * MiB, rel=0.25)  # prior pulls to 1 MiB

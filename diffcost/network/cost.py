@@ -26,7 +26,11 @@ the link capacities and the calibrated ``Params``) prices them:
 * ``nvls`` (NVLink SHARP), offered where the GPUs hang on switches the topology declares
   reducing (``Topology.reducing``), reduces in the switch: each GPU sends its buffer up and
   receives the result (``nvls_phases``), over its NVLink links at ``nvls_ratio * nvlink_eff``
-  instead of ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call;
+  instead of ``nvlink_eff``, without the GPU's reduction pass and with ``nvls_latency_s`` per call,
+  its bandwidth scaled by ``nvls.chunk_efficiency`` (NCCL's chunks shrink for small messages), in
+  place of the small-message curve ``half_bw_bytes`` (the Simple protocol's buffers, which NVLS
+  does not use); all-gather and reduce-scatter are offered it over at most
+  ``nvls.NVLS_MAX_ARITY`` ranks;
 * a pricing built with ``tcp`` (a cluster whose ``transport`` is ``tcp``: GPUDirect-TCPX/TCPXO)
   runs the ring on ``tcp_ring_share`` of its network links' capacity and adds ``tcp_fill_s`` per
   call to every other algorithm that crosses the network (``TCP_RING_ALGORITHMS``);
@@ -55,7 +59,7 @@ from flax import struct
 
 from diffcost import smooth
 from diffcost.network import collectives as netcoll
-from diffcost.network import sendrecv
+from diffcost.network import nvls, sendrecv
 from diffcost.network.graph import Topology, without_transit
 from diffcost.network.routing import distances, route
 from diffcost.params import Params
@@ -65,15 +69,6 @@ NVLINK_KINDS = ("gpu", "nvswitch")  # a link between two of these is NVLink; oth
 TRAFFIC = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0}
 REDUCES = ("all_reduce", "reduce_scatter")
 SWITCH_ALGORITHMS = ("nvls",)  # reduce in the switches, not on the GPUs
-# NVLS bytes per GPU each way, as shares of the buffer for a group of n: (up, down). All-reduce
-# is a reduce-scatter (each GPU loads its 1/n of the sum from the switch, which reads the
-# buffer's n shares from every GPU: the whole buffer up, 1/n down) then an all-gather (each GPU
-# stores its 1/n, the switch multicasts it to all: 1/n up, the whole buffer down).
-NVLS_SHARES = {
-    "all_reduce": lambda n: (1.0 + 1.0 / n, 1.0 + 1.0 / n),
-    "reduce_scatter": lambda n: (1.0, 1.0 / n),
-    "all_gather": lambda n: (1.0 / n, 1.0),
-}
 # NCCL's pipelined trees reach about 2/3 of the bandwidth their link loads allow, the factor
 # ``diffcost.comm`` applies to its tree (its chunks wait on the reduction up the tree).
 TREE_BW_PENALTY = 1.5
@@ -141,6 +136,8 @@ class CollectivePricing:
             ``tcp_fill_s`` per call; else 0.0.
         protocols: static; True: every algorithm in ``LL128_ALGORITHMS`` is the smooth
             minimum of its Simple and LL128 curves (NCCL's protocol choice by size).
+        nvls_ops: NVLS's concurrent operations, its channels times ``group_size``: its chunk
+            size by message size (``nvls.chunk_efficiency``).
         names, collective: static.
     """
 
@@ -152,6 +149,7 @@ class CollectivePricing:
     xla: float = 0.0
     tcp: float = 0.0
     protocols: bool = struct.field(pytree_node=False, default=False)
+    nvls_ops: float = nvls.DEFAULT_NVLS_CHANNELS * 2.0
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -293,16 +291,17 @@ def _flow_phases(topology, groups, collective, algorithm) -> list[Phase]:
     return out
 
 
-def default_algorithms(topology: Topology, collective: str) -> tuple[str, ...]:
+def default_algorithms(topology: Topology, collective: str, group_size: int = 2) -> tuple[str, ...]:
     """What NCCL chooses from: ring, tree and hierarchical for all-reduce, the ring for
     all-gather and reduce-scatter, the torus rings where the topology has coordinates,
-    ``nvls`` for all three where it has switches that reduce, and pairwise sends for
-    all-to-all."""
+    ``nvls`` where it has switches that reduce (all-gather and reduce-scatter over at most
+    ``nvls.NVLS_MAX_ARITY`` ranks), and pairwise sends for all-to-all."""
     if collective == "all_to_all":
         return ("pairwise",)
     names = ("ring", "tree", "hierarchical") if collective == "all_reduce" else ("ring",)
     names += ("torus",) if topology.coords is not None else ()
-    return names + (("nvls",) if len(topology.reducing_nodes()) else ())
+    switch = len(topology.reducing_nodes()) and nvls.offered(collective, group_size)
+    return names + (("nvls",) if switch else ())
 
 
 def link_classes(topology: Topology) -> np.ndarray:
@@ -320,6 +319,7 @@ def collective_pricing(
     xla: bool = False,
     transport: str = "rdma",
     protocols: bool = False,
+    nvls_channels: int = nvls.DEFAULT_NVLS_CHANNELS,
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
     consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
@@ -335,6 +335,7 @@ def collective_pricing(
         transport: the cluster's network transport, a name in ``specs.TRANSPORTS``
             (``CollectivePricing.tcp``).
         protocols: offer NCCL's LL128 protocol besides Simple (``CollectivePricing.protocols``).
+        nvls_channels: NCCL's NVLS channels on these GPUs (``nvls.nvls_channels(family)``).
 
     Raises:
         ValueError: an unknown collective, algorithm or transport, too few endpoints, or a
@@ -355,7 +356,7 @@ def collective_pricing(
     idle = topology.endpoints[group_size * n_groups :]
     link_ids = np.flatnonzero(~(np.isin(topology.src, idle) | np.isin(topology.dst, idle)))
     full, topology = topology, without_transit(topology, idle)
-    chosen = algorithms or default_algorithms(topology, collective)
+    chosen = algorithms or default_algorithms(topology, collective, group_size)
     phases = {}
     for name in chosen:
         try:
@@ -364,7 +365,12 @@ def collective_pricing(
             if algorithms is not None:
                 raise
     pricing = _stack(full, link_ids, phases, group_size, collective)
-    return pricing.replace(xla=float(xla), tcp=float(transport == "tcp"), protocols=protocols)
+    return pricing.replace(
+        xla=float(xla),
+        tcp=float(transport == "tcp"),
+        protocols=protocols,
+        nvls_ops=float(nvls_channels * group_size),
+    )
 
 
 def _phases(topology, groups, collective, name) -> list[Phase]:
@@ -382,40 +388,13 @@ def _phases(topology, groups, collective, name) -> list[Phase]:
 
 
 def nvls_phases(topology: Topology, groups: np.ndarray, collective: str) -> list[Phase]:
-    """NVLink SHARP (NCCL's NVLS) in one phase of one step: every GPU of every group sends
-    ``NVLS_SHARES[collective][0]`` of the buffer up its links to the reducing switches and
-    receives ``[1]`` down them, each link carrying its share of the GPU's switch capacity;
-    two latency steps of the GPU-switch hop per pass up and down (all-reduce: two passes).
+    """NVLink SHARP in one phase of one step (``nvls.switch_flows``).
 
     Raises:
-        ValueError: a collective NVLS does not run, or a group whose GPUs do not all reach
-            the same reducing switches directly.
+        ValueError: as ``nvls.switch_flows``.
     """
-    if collective not in NVLS_SHARES:
-        raise ValueError(f"nvls: runs {', '.join(NVLS_SHARES)}, not {collective}")
-    switches = topology.reducing_nodes()
-    capacity = topology.capacity_Bps
-    rows, frac = [], []
-    up_share, down_share = NVLS_SHARES[collective](groups.shape[1])
-    for group in groups:
-        reached = None
-        for gpu in topology.endpoints[group]:
-            for share, ends in ((up_share, (topology.src, topology.dst)),
-                                (down_share, (topology.dst, topology.src))):  # fmt: skip
-                links = np.flatnonzero((ends[0] == gpu) & np.isin(ends[1], switches))
-                here = frozenset(ends[1][links].tolist())
-                if not links.size or reached not in (None, here):
-                    raise ValueError(
-                        f"nvls: the GPUs of group {group.tolist()} do not all reach the same "
-                        f"reducing switches of {topology.name}"
-                    )
-                reached = here
-                row = np.zeros(topology.n_links)
-                row[links] = capacity[links] / capacity[links].sum()
-                rows.append(row)
-                frac.append(share)
-    latency_steps = 4.0 if collective == "all_reduce" else 2.0
-    return [Phase(np.stack(rows), np.array(frac), 1.0, latency_steps)]
+    incidence, frac, latency_steps = nvls.switch_flows(topology, groups, collective)
+    return [Phase(incidence, frac, 1.0, latency_steps)]
 
 
 def _stack(topology, link_ids, phases: dict, group_size, collective) -> CollectivePricing:
@@ -556,6 +535,9 @@ def collective_time_s(
     for name, alg in zip(pricing.names, pricing.algorithms):
         capacity, latency = _effective_links(pricing, capacity_Bps, params, name, alg)
         late = 0.0
+        if name in SWITCH_ALGORITHMS:  # NVLS's own curve: its chunks shrink for small messages
+            capacity = capacity * nvls.chunk_efficiency(params, msg_bytes, pricing.nvls_ops)
+            late = -params.half_bw_bytes  # not the Simple protocol's buffers
         if name in SENDRECV_ALGORITHMS:  # XLA's: own curve, channels by size, concurrent peers
             late = pricing.xla * (params.sendrecv_half_bw_bytes - params.half_bw_bytes)
             share = sendrecv.peer_share(params, msg_bytes, pricing.group_size, temperature)
