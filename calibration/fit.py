@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -190,17 +189,6 @@ def _octave_weights(colls) -> np.ndarray:
     return np.array([1.0 / counts[k] for k in keys])
 
 
-def _placed_or_warn(meas: Measurements) -> Measurements:
-    """``records.placed_kernels``, warning once with every row it leaves out."""
-    placed = placed_kernels(meas)
-    dropped = placed.skipped[len(meas.skipped) :]
-    if dropped:
-        where = "; ".join(f"{src}: {reason}" for src, reason in dropped[:3])
-        more = f" (and {len(dropped) - 3} more)" if len(dropped) > 3 else ""
-        warnings.warn(f"{len(dropped)} kernel rows left out: {where}{more}", stacklevel=3)
-    return placed
-
-
 def build_problem(meas: Measurements, dtype=None) -> Problem:
     """Arrays of every measurement that maps to a known cluster (or GPU family).
 
@@ -209,7 +197,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     naming them (``records.placed_kernels`` lists them in ``skipped`` instead).
     """
     dtype = jnp.result_type(float) if dtype is None else dtype
-    meas = _placed_or_warn(meas)
+    meas = placed_kernels(meas, warn=True)
     families: list[str] = []
     clusters: list[str] = []
     cluster_cache: dict = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
@@ -246,15 +247,21 @@ class Measurements:
         }
 
 
-def placed_kernels(meas: Measurements) -> Measurements:
+def placed_kernels(meas: Measurements, warn: bool = False) -> Measurements:
     """``meas`` with the GEMM and attention rows of GPU families that have no preset to time
-    them on (``diffcost.gpus.FAMILY_CLUSTER``) moved to ``skipped``, with the reason."""
+    them on (``diffcost.gpus.FAMILY_CLUSTER``) moved to ``skipped``, with the reason; ``warn``:
+    also a ``UserWarning`` naming the rows left out."""
     known = ", ".join(sorted(FAMILY_CLUSTER))
     skipped = list(meas.skipped)
     for r in meas.gemms + meas.attention:
         if r.gpu not in FAMILY_CLUSTER:
             reason = f"kernel of {r.gpu} GPUs: no preset to time it on (families: {known})"
             skipped.append((r.where, reason))
+    dropped = skipped[len(meas.skipped) :]
+    if warn and dropped:
+        where = "; ".join(f"{src}: {reason}" for src, reason in dropped[:3])
+        more = f" (and {len(dropped) - 3} more)" if len(dropped) > 3 else ""
+        warnings.warn(f"{len(dropped)} kernel rows left out: {where}{more}", stacklevel=3)
     return dataclasses.replace(
         meas,
         gemms=[r for r in meas.gemms if r.gpu in FAMILY_CLUSTER],
