@@ -237,9 +237,9 @@ class Space:
         with _gc_paused():
             for tp, cp, dp, pp in self.degree_tuples():
                 eps = self.ep_choices(dp)
+                orders = self.distinct_orders({"tp": tp, "cp": cp, "dp": dp, "pp": pp})
                 for mb in self.microbatch_choices(dp):
                     n_micro = self.global_batch // (dp * mb)
-                    orders = self.distinct_orders({"tp": tp, "cp": cp, "dp": dp, "pp": pp})
                     for ep, (sched, v), rec, zero, order in itertools.product(
                         eps, self.schedules(pp, n_micro), RECOMPUTE_MODES, ZERO_STAGES, orders
                     ):
