@@ -28,6 +28,7 @@ import numpy as np
 
 from diffcost import smooth
 from diffcost.cache import fast_compile_jit
+from diffcost.gpus import gpu_family
 from diffcost.params import BY_LEAF, CONSTANTS, Params
 from diffcost.simulate import STATUS_NAMES, simulate
 from diffcost.specs import PRECISIONS, Experiment
@@ -276,7 +277,8 @@ def link_class_elasticities(
     from diffcost.api import experiment_arrays
     from diffcost.network import design, job
 
-    netjob = job.make_job(topology, exp.plan, *experiment_arrays(exp))
+    family = gpu_family(exp.cluster.gpu.name)
+    netjob = job.make_job(topology, exp.plan, *experiment_arrays(exp), family=family)
     ones = np.ones(len(job.CLASSES))
     m = design.marginals(ones, netjob, params, np.zeros_like(ones), time_fn, temperature)
     classes = job.link_classes(topology)

@@ -185,3 +185,23 @@ def test_fit_recovers_an_xla_clusters_own_curve_latency_and_call_cost():
     assert fitted["collective_overhead_s"] == pytest.approx(15e-6, rel=0.1)
     assert fitted["nvlink_latency_scale"] == pytest.approx(3.0, rel=0.1)
     assert fitted["half_bw_bytes"] == pytest.approx(8.0 * MiB, rel=0.25)  # prior pulls to 1 MiB
+
+
+def test_a_job_prices_nvls_with_its_gpu_family_channels():
+    """``make_job(family=)``: NVLS's concurrent operations are NCCL's NVLS channels of the GPU
+    family (24 on Blackwell) times the group's ranks; without a family, Hopper's 16."""
+    from diffcost import api
+    from diffcost.network import job
+
+    exp = api.load(
+        "configs/examples/llama3-70b-slice-simumax-b200.yaml", ["plan.tp=8", "plan.pp=1"]
+    )
+    topo = from_cluster(exp.cluster, 1)
+    arrays = api.experiment_arrays(exp)
+    b200 = job.make_job(topo, exp.plan, *arrays, family="b200")
+    hopper = job.make_job(topo, exp.plan, *arrays)
+    tp = [k for k in b200.pricings if k.endswith(":tp") and not k.startswith("send")]
+    assert tp
+    for key in tp:
+        assert float(b200.pricings[key].nvls_ops) == 24 * 8
+        assert float(hopper.pricings[key].nvls_ops) == 16 * 8

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from diffcost import config
+from diffcost.gpus import gpu_family
 from diffcost.network import generators as gen
 from diffcost.network import job as netjob
 from diffcost.network.design import OBJECTIVES, Design, Objective, Prices, marginals, optimize
@@ -266,7 +267,8 @@ def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
         params = api.params_for(exp)[0]
     model, plan, cluster = api.experiment_arrays(exp)
     try:
-        job = netjob.make_job(spec.topology, exp.plan, model, plan, cluster)
+        family = gpu_family(exp.cluster.gpu.name)
+        job = netjob.make_job(spec.topology, exp.plan, model, plan, cluster, family=family)
     except ValueError as err:
         raise ConfigError(f"{spec.where}: the plan on the topology: {err}") from None
     start, best, history = optimize(

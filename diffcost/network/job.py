@@ -34,7 +34,7 @@ from flax import struct
 from diffcost import kernels, smooth, stages, workload
 from diffcost.arrays import ClusterArrays, ModelArrays, PlanArrays
 from diffcost.network import collectives as netcoll
-from diffcost.network import cost
+from diffcost.network import cost, nvls
 from diffcost.network.graph import Topology, without_transit
 from diffcost.network.routing import route
 from diffcost.params import Params
@@ -169,13 +169,16 @@ def send_pricing(topology: Topology, groups: np.ndarray) -> cost.CollectivePrici
     )
 
 
-def job_pricings(topology: Topology, plan: PlanSpec, requests) -> dict:
+def job_pricings(
+    topology: Topology, plan: PlanSpec, requests, nvls_channels: int = nvls.DEFAULT_NVLS_CHANNELS
+) -> dict:
     """``GraphJob.pricings`` of a discrete plan on ``topology`` (rank ``r`` on endpoint ``r``).
 
     Args:
         topology: the graph; at least ``plan.n_gpus`` endpoints.
         plan: the discrete plan (degrees and rank order).
         requests: ``(collective, dim)`` pairs to price.
+        nvls_channels: NCCL's NVLS channels on the job's GPUs (``nvls.nvls_channels``).
 
     Raises:
         ValueError: too few endpoints, or a placement ``collectives.place_ranks`` rejects.
@@ -191,22 +194,25 @@ def job_pricings(topology: Topology, plan: PlanSpec, requests) -> dict:
             out[f"{collective}:{dim}"] = send_pricing(topology, groups)
             continue
         placed = grouped(topology, groups.ravel())
-        out[f"{collective}:{dim}"] = cost.collective_pricing(placed, collective, size, len(groups))
+        out[f"{collective}:{dim}"] = cost.collective_pricing(
+            placed, collective, size, len(groups), nvls_channels=nvls_channels
+        )
     return out
 
 
 def make_job(
-    topology: Topology, plan: PlanSpec, model, plan_arrays, cluster, extra=None
+    topology: Topology, plan: PlanSpec, model, plan_arrays, cluster, extra=None, family=None
 ) -> GraphJob:
     """A ``GraphJob``: the pricings of ``plan`` on ``topology`` with its arrays (and
-    ``extra``, a pytree another ``JobTimeFn`` needs)."""
+    ``extra``, a pytree another ``JobTimeFn`` needs); ``family``: the GPU family, whose NCCL
+    NVLS channel count sets NVLS's chunk sizes (``nvls.nvls_channels``; None: Hopper's)."""
     requests = comm_requests(workload.layer_work(model, plan_arrays), model, plan_arrays)
     pairs = sorted({(collective, dim) for _, collective, dim, _ in requests})
     return GraphJob(
         model=model,
         plan=plan_arrays,
         cluster=cluster,
-        pricings=job_pricings(topology, plan, pairs),
+        pricings=job_pricings(topology, plan, pairs, nvls.nvls_channels(family)),
         capacity_Bps=jnp.asarray(topology.capacity_Bps),
         link_class=jnp.asarray(link_classes(topology)),
         extra=extra,
