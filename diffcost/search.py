@@ -391,7 +391,7 @@ class _Moves:
                 out.append(c._replace(schedule=sched, chunks=v))
         out += [c._replace(recompute=r) for r in RECOMPUTE_MODES if r != c.recompute]
         out += [c._replace(zero=z) for z in ZERO_STAGES if z != c.zero]
-        out += [c._replace(order=o) for o in s.distinct_orders(c) if o != c.order]
+        out += [c._replace(order=o) for o in s.distinct_orders(c._asdict()) if o != c.order]
         out += [c._replace(ep=e) for e in s.ep_choices(c.dp) if e != c.ep]
         out = (s.canonical(n) for n in out if n is not None)
         return list(dict.fromkeys(n for n in out if n != c))

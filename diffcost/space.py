@@ -47,11 +47,10 @@ ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 _RECOMPUTE_SHORT = {"none": "norc", "selective": "sel", "full": "full"}
 
 
-def _placed(order: tuple[str, ...], sizes) -> tuple[str, ...]:
-    """The dimensions of ``order`` that take a place at the degrees ``sizes`` (a ``Choice``
-    or a dict): those larger than 1."""
-    size = sizes.get if isinstance(sizes, dict) else lambda d: getattr(sizes, d)
-    return tuple(d for d in order if size(d) > 1)
+def _placed(order: tuple[str, ...], sizes: dict) -> tuple[str, ...]:
+    """The dimensions of ``order`` that take a place at the degrees ``sizes`` (placed
+    dimension -> degree): those larger than 1."""
+    return tuple(d for d in order if sizes[d] > 1)
 
 
 class Choice(NamedTuple):
@@ -202,7 +201,7 @@ class Space:
             c.microbatch in self.microbatches
             and c.recompute in RECOMPUTE_MODES
             and c.zero in ZERO_STAGES
-            and c.order in self.distinct_orders(c)
+            and c.order in self.distinct_orders(c._asdict())
         )
         q = constraints.spec_quantities(self.model, self.cluster, self.plan_spec(c), self.n_gpus)
         return (
@@ -211,10 +210,10 @@ class Space:
             and (c.schedule, c.chunks) in self.schedules(c.pp, q["n_microbatches"])
         )
 
-    def distinct_orders(self, sizes) -> list[int]:
-        """Indexes of ``orders`` that place the ranks differently at the degrees ``sizes`` (a
-        ``Choice`` or a dict of the placed dimensions; a dimension of size 1 takes no place):
-        the first of each set of equivalent orders."""
+    def distinct_orders(self, sizes: dict) -> list[int]:
+        """Indexes of ``orders`` that place the ranks differently at the degrees ``sizes``
+        (placed dimension -> degree, e.g. ``choice._asdict()``; a dimension of size 1 takes no
+        place): the first of each set of equivalent orders."""
         first = {}
         for i, order in enumerate(self.orders):
             first.setdefault(_placed(order, sizes), i)
@@ -225,9 +224,10 @@ class Space:
         (``distinct_orders``): two plans that differ only in equivalent orders are one."""
         if not 0 <= c.order < len(self.orders):
             return c
-        placed = _placed(self.orders[c.order], c)
+        sizes = c._asdict()
+        placed = _placed(self.orders[c.order], sizes)
         return c._replace(
-            order=next(i for i, o in enumerate(self.orders) if _placed(o, c) == placed)
+            order=next(i for i, o in enumerate(self.orders) if _placed(o, sizes) == placed)
         )
 
     def choices(self) -> list[Choice]:
