@@ -28,7 +28,6 @@ import numpy as np
 
 from diffcost import smooth
 from diffcost.cache import fast_compile_jit
-from diffcost.gpus import gpu_family
 from diffcost.params import BY_LEAF, CONSTANTS, Params
 from diffcost.simulate import STATUS_NAMES, simulate
 from diffcost.specs import PRECISIONS, Experiment
@@ -274,11 +273,9 @@ def link_class_elasticities(
         "elasticity"}`` of the classes the topology has, largest ``|elasticity|`` first;
         ``links`` directed links, ``capacity_GBps`` their total capacity).
     """
-    from diffcost.api import experiment_arrays
     from diffcost.network import design, job
 
-    family = gpu_family(exp.cluster.gpu.name)
-    netjob = job.make_job(topology, exp.plan, *experiment_arrays(exp), family=family)
+    netjob = job.experiment_job(topology, exp)
     ones = np.ones(len(job.CLASSES))
     m = design.marginals(ones, netjob, params, np.zeros_like(ones), time_fn, temperature)
     classes = job.link_classes(topology)

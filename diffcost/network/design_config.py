@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from diffcost import config
-from diffcost.gpus import gpu_family
 from diffcost.network import generators as gen
 from diffcost.network import job as netjob
 from diffcost.network.design import OBJECTIVES, Design, Objective, Prices, marginals, optimize
@@ -265,10 +264,8 @@ def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
     exp = spec.experiment
     if params is None:
         params = api.params_for(exp)[0]
-    model, plan, cluster = api.experiment_arrays(exp)
     try:
-        family = gpu_family(exp.cluster.gpu.name)
-        job = netjob.make_job(spec.topology, exp.plan, model, plan, cluster, family=family)
+        job = netjob.experiment_job(spec.topology, exp)
     except ValueError as err:
         raise ConfigError(f"{spec.where}: the plan on the topology: {err}") from None
     start, best, history = optimize(

@@ -22,7 +22,6 @@ import dataclasses
 import numpy as np
 
 from diffcost import search
-from diffcost.gpus import gpu_family
 from diffcost.network import job as netjob
 from diffcost.network.design import optimize
 from diffcost.network.design_config import DesignSpec, oversubscription
@@ -54,8 +53,7 @@ def _design_for(spec: DesignSpec, plan: PlanSpec, time_fn) -> dict:
 
     exp = dataclasses.replace(spec.experiment, plan=plan)
     params = api.params_for(exp)[0]
-    family = gpu_family(exp.cluster.gpu.name)
-    job = netjob.make_job(spec.topology, plan, *api.experiment_arrays(exp), family=family)
+    job = netjob.experiment_job(spec.topology, exp)
     start, best, _ = optimize(
         job, params, spec.spend, spec.objective, spec.steps, spec.learning_rate, time_fn
     )

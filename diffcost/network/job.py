@@ -32,7 +32,9 @@ import numpy as np
 from flax import struct
 
 from diffcost import kernels, smooth, stages, workload
+from diffcost.api import experiment_arrays
 from diffcost.arrays import ClusterArrays, ModelArrays, PlanArrays
+from diffcost.gpus import gpu_family
 from diffcost.network import collectives as netcoll
 from diffcost.network import cost, nvls
 from diffcost.network.graph import Topology, without_transit
@@ -217,6 +219,13 @@ def make_job(
         link_class=jnp.asarray(link_classes(topology)),
         extra=extra,
     )
+
+
+def experiment_job(topology: Topology, exp) -> GraphJob:
+    """``make_job`` for an ``Experiment``'s plan on ``topology``, with the NVLS channels of
+    its GPU family."""
+    family = gpu_family(exp.cluster.gpu.name)
+    return make_job(topology, exp.plan, *experiment_arrays(exp), family=family)
 
 
 # --- the iteration time (JAX) -------------------------------------------------------------------
