@@ -28,7 +28,7 @@ from calibration import fit as fit_mod
 from calibration import posterior, refit
 from calibration.heldout import fill_uninformed, population_row
 from calibration.readers import load
-from calibration.records import Measurements, placed_kernels
+from calibration.records import FIT_PRECISIONS, Measurements, placed_kernels
 from diffcost import profiles as prof
 from diffcost.cli.common import make_table, print_json
 from diffcost.config import load_cluster
@@ -193,7 +193,7 @@ def moved(before: dict, after: dict, top: int = 8) -> list[tuple[str, float, flo
                 rows.append((np.inf, f"{GRID_LABELS[name]}: {changed} nodes moved > 5%", 0.0, 0.0))
             continue
         pairs = (
-            [(f"{name}.{p}", before[name][p], after[name][p]) for p in fit_mod.FIT_PRECISIONS]
+            [(f"{name}.{p}", before[name][p], after[name][p]) for p in FIT_PRECISIONS]
             if name == "gemm_eff"
             else [(name, before[name], after[name])]
         )

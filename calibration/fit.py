@@ -32,7 +32,7 @@ import optax
 
 from calibration import graph_path, kernel_levels
 from calibration.kernel_levels import KERNEL_LEVELS
-from calibration.records import Measurements, placed_kernels
+from calibration.records import COLLECTIVES, Measurements, fitted_records
 from diffcost import comm, descent, kernels
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.cache import FAST_CPU_COMPILE, STEADY_CPU_COMPILE, fast_compile_jit
@@ -53,10 +53,6 @@ from diffcost.simulate import simulate
 from diffcost.specs import PRECISIONS
 from diffcost.stacks import STACK_EFFECTS, STACK_NAMES
 from diffcost.workload import LOW_PRECISIONS
-
-FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-
 
 # Width of the prior around each datasheet default, in raw units (``Constant.prior_sd``).
 PRIOR_SD = {c.name: c.prior_sd for c in CONSTANTS}
@@ -197,7 +193,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
     naming them (``records.placed_kernels`` lists them in ``skipped`` instead).
     """
     dtype = jnp.result_type(float) if dtype is None else dtype
-    meas = placed_kernels(meas, warn=True)
+    meas = fitted_records(meas, warn=True)
     families: list[str] = []
     clusters: list[str] = []
     cluster_cache: dict = {}
@@ -228,7 +224,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             # every source weighs the same: 1,440 vTrain rows would otherwise decide alone
             "weight": np.array([1.0 / per_source[r.source_name] for r in rows]),
         }
-    colls = [r for r in meas.collectives if r.cluster and r.collective in COLLECTIVES]
+    colls = meas.collectives
     if colls:
         specs = [cl(r.cluster) for r in colls]
         data["coll"] = {
@@ -242,9 +238,7 @@ def build_problem(meas: Measurements, dtype=None) -> Problem:
             "log_meas": np.log(np.array([r.time_s for r in colls], dtype=float)),
             "weight": _octave_weights(colls),
         }
-    # fp32 GEMMs are left out: XLA runs them on TF32 tensor cores, while the presets' fp32
-    # peak is the vector rate that fp32 training uses.
-    gemms = [g for g in meas.gemms if g.precision in FIT_PRECISIONS]
+    gemms = meas.gemms
     if gemms:
         specs = [cl(FAMILY_CLUSTER[g.gpu]) for g in gemms]
         data["gemm"] = {

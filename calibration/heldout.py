@@ -12,7 +12,6 @@ family and cluster order (``map_tables``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import shutil
 import tempfile
 import time
@@ -24,7 +23,7 @@ import numpy as np
 
 from calibration import fit as F
 from calibration.readers import Measurements, load, shared_files
-from calibration.records import placed_kernels
+from calibration.records import fitted_records
 from diffcost.gpus import preset_family
 from diffcost.params import default_params
 from diffcost.validate import kendall_tau
@@ -53,11 +52,7 @@ def fresh_compilation_cache(prefix: str):
 
 def load_data(data_dir: Path) -> Measurements:
     """Every record ``build_problem`` can use, in the order its arrays will have."""
-    meas = load(shared_files(data_dir))
-    colls = [r for r in meas.collectives if r.cluster and r.collective in F.COLLECTIVES]
-    meas = placed_kernels(meas)
-    gemms = [g for g in meas.gemms if g.precision in F.FIT_PRECISIONS]
-    return dataclasses.replace(meas, e2e=list(meas.e2e), collectives=colls, gemms=gemms)
+    return fitted_records(load(shared_files(data_dir)))
 
 
 def subset(meas: Measurements, e2e=None, coll=None, gemm=None) -> Measurements:

@@ -19,6 +19,7 @@ from diffcost.runs import CsvLineError, data_rows, number_error
 from diffcost.specs import ClusterSpec, ModelSpec, PlanSpec
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+FIT_PRECISIONS = ("bf16", "fp16", "fp8", "fp4")  # GEMM precisions the fit uses
 NCCL_TESTS_SOURCE = "nccl-tests"
 
 
@@ -268,6 +269,17 @@ def placed_kernels(meas: Measurements, warn: bool = False) -> Measurements:
         attention=[r for r in meas.attention if r.gpu in FAMILY_CLUSTER],
         skipped=skipped,
     )
+
+
+def fitted_records(meas: Measurements, warn: bool = False) -> Measurements:
+    """The records ``fit.build_problem`` fits, in its arrays' order: kernels of GPU families
+    with a preset (``placed_kernels``, which ``warn``s), collectives of a named
+    cluster that ``COLLECTIVES`` prices, GEMMs of ``FIT_PRECISIONS`` (fp32 is left out: XLA
+    runs it on TF32 tensor cores, while the presets' fp32 peak is the vector rate)."""
+    meas = placed_kernels(meas, warn=warn)
+    colls = [r for r in meas.collectives if r.cluster and r.collective in COLLECTIVES]
+    gemms = [g for g in meas.gemms if g.precision in FIT_PRECISIONS]
+    return dataclasses.replace(meas, collectives=colls, gemms=gemms)
 
 
 # --------------------------------------------------------------------------------------------
