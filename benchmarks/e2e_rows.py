@@ -11,11 +11,14 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
-def parse(doc: str, argv=None) -> argparse.Namespace:
+def parse(doc: str, argv=None, more=None) -> argparse.Namespace:
+    """``--source``, ``--data``, ``--json`` and what ``more(parser)`` adds, parsed."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--source", default=None, help="one e2e source (default: every source)")
     ap.add_argument("--data", default=str(DATA), help="shared data directory")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    if more is not None:
+        more(ap)
     return ap.parse_args(argv)
 
 
