@@ -248,14 +248,15 @@ def shared_traffic(work: LayerWork, plan: PlanArrays) -> dict:
     ``{"bucket" | "tp" | "send": [(dimension, items)]}``, items ``(collective, msg_bytes,
     count)`` as ``network.model.traffic_row`` takes them. The bucket is a layer's gradient sync
     (ZeRO-0/1/2) or its ZeRO-3 gathers and scatters, dense and expert; "tp" the next layer's
-    tensor-parallel collectives; "send" a pipeline send."""
-    zero, sp = plan.zero, plan.sp
-    per_layer = layer_sharded(plan)
+    tensor-parallel collectives; "send" a pipeline send. A ZeRO-0/1/2 sync joins only with
+    ``overlap_dp`` (without, it runs after the backward: ``dp_sync_s``)."""
+    zero, sp, per_layer = plan.zero, plan.sp, layer_sharded(plan)
+    per_step = (zero[1] + zero[2] - per_layer) * plan.overlap_dp
 
     def sync(trained, weights):
         return [
-            ("all_reduce", trained * grad_bytes(plan), zero[0]),
-            ("reduce_scatter", trained * grad_bytes(plan), zero[1] + zero[2] - per_layer),
+            ("all_reduce", trained * grad_bytes(plan), zero[0] * plan.overlap_dp),
+            ("reduce_scatter", trained * grad_bytes(plan), per_step),
             ("all_gather", weights * WEIGHT_BYTES, zero[3]),
             ("reduce_scatter", trained * FSDP_GRAD_BYTES, zero[3] + per_layer),
         ]

@@ -89,6 +89,21 @@ def test_graph_path_reproduces_comm_on_the_cluster_graph():
     assert contended >= graph
 
 
+def test_a_sync_after_the_backward_shares_links_with_nothing():
+    """Without ``overlap_dp`` a ZeRO-0/1 gradient sync runs after the backward, not beside the
+    tensor-parallel collectives and the pipeline send: contention adds nothing to it, while
+    with ``overlap_dp`` it does (the example's dp ring meets tp and pp traffic on its links)."""
+    model, plan, cluster, params = _arrays(contention=False)
+    shared = cluster.replace(network=cluster.network.replace(contention=True))
+    for overlap, adds in ((1.0, True), (0.0, False)):
+        p = plan.replace(overlap_dp=jnp.asarray(overlap))
+        alone = float(simulate(model, p, cluster, params).iteration_s)
+        contended = float(simulate(model, p, shared, params).iteration_s)
+        assert (contended > alone * (1 + 1e-6)) is adds, (overlap, alone, contended)
+        if not adds:
+            assert contended == pytest.approx(alone, rel=1e-9)
+
+
 def test_gradients_reach_the_tier_capacities():
     model, plan, cluster, params = _arrays()
 
