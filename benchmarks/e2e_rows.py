@@ -46,9 +46,12 @@ def rows(args: argparse.Namespace, numbered: bool = False) -> list[dict] | None:
 def predictable(path: Path):
     """Every row of the end-to-end CSV ``path`` the model represents, as ``(i, row, model,
     plan, cluster, params)``: ``i`` the 1-based data row, the specs of ``diffcost.runs``
-    (rows it skips are left out) and the cluster's shipped constants (read once per cluster)."""
+    (rows it skips are left out) and the shipped constants of the row's cluster and software
+    stack (its ``framework``, ``diffcost.stacks``), as ``diffcost validate`` uses them (read
+    once per cluster and stack)."""
     from diffcost.profiles import params_for
     from diffcost.runs import RowSkipped, read_rows, row_to_specs
+    from diffcost.stacks import stack_of
 
     specs_cache: dict = {}
     params_cache: dict = {}
@@ -57,6 +60,7 @@ def predictable(path: Path):
             model, plan, cluster, _ = row_to_specs(row, specs_cache)
         except RowSkipped:
             continue
-        if cluster.name not in params_cache:
-            params_cache[cluster.name] = params_for(cluster)[0]
-        yield i, row, model, plan, cluster, params_cache[cluster.name]
+        key = (cluster.name, stack_of(row.get("framework")))
+        if key not in params_cache:
+            params_cache[key] = params_for(cluster, stack=key[1])[0]
+        yield i, row, model, plan, cluster, params_cache[key]
