@@ -10,7 +10,13 @@ import pytest
 
 from calibration import command
 from calibration import fit as fit_mod
-from calibration.heldout import fill_uninformed, population_row
+from calibration.heldout import (
+    Predictor,
+    fill_uninformed,
+    population_mixture,
+    population_row,
+    trained_keys,
+)
 from calibration.readers import load
 from diffcost import profiles as prof
 from diffcost.config import load_cluster
@@ -87,3 +93,36 @@ def test_a_cluster_with_collectives_only_takes_the_population_for_what_they_do_n
     before = predict(clu)[clusters == vtrain]
     after = predict(filled)[clusters == vtrain]
     assert np.all(np.isfinite(np.asarray(after))) and np.all(np.asarray(after > before))
+
+
+def test_a_held_out_cluster_is_predicted_by_the_mean_of_its_members_log_times():
+    """``heldout.population_mixture``: a cluster no weighted run names is predicted once with
+    each fitted cluster's constants, and ``Predictor.mean_log`` averages the log times. Time is
+    convex in log host dispatch, so the mean is slower than the plug-in of the mean constants
+    (``population_row``) when the members differ. A GPU family without runs likewise takes
+    each fitted family's ``E2E_ONLY_DEVICE_LEAVES``."""
+    data = Path(__file__).parent / "data"
+    meas = load([data / "e2e_sample.csv", data / "readers_collectives.csv"])
+    problem = fit_mod.build_problem(meas)
+    clusters = np.asarray(problem.data["e2e"]["c"])
+    held = problem.clusters.index("vtrain-a100")
+    dev, clu = fit_mod.initial_tables(problem)
+    spread = np.log(np.geomspace(3e-6, 3e-3, len(problem.clusters)))
+    clu["host_op_log_s"] = jnp.asarray(spread, clu["host_op_log_s"].dtype)
+    weights = {lvl: np.ones(n) for lvl, n in problem.counts.items()}
+    weights["e2e"] = (clusters != held).astype(float)
+    with_runs = {problem.clusters[c] for c in clusters[clusters != held]}
+    members = population_mixture(problem, (dev, clu), weights, TEMPERATURE)
+    families = set(np.asarray(problem.data["e2e"]["d"])[clusters != held].tolist())
+    assert len(families) < len(problem.families)  # vtrain-a100's A100s: a family without runs
+    assert len(members) == len(with_runs) * len(families) > 1  # each cluster x each family
+    rows = [r for r, c in zip(meas.e2e, clusters) if c == held]
+    fams, clus = trained_keys(problem, weights)
+    predictor = Predictor(len(rows), len(problem.families), len(problem.clusters), TEMPERATURE)
+    each = [predictor(rows, problem, tab, fams, clus, row) for tab, row in members]
+    mixed = predictor.mean_log(rows, problem, members, fams, clus)
+    np.testing.assert_allclose(mixed, np.mean(each, axis=0), rtol=1e-6)
+    mean = population_row(problem, (dev, clu), with_runs)
+    filled = fill_uninformed(problem, (dev, clu), weights, mean, TEMPERATURE)
+    plug_in = predictor(rows, problem, filled, fams, clus, mean)
+    assert np.all(mixed > plug_in + 1e-4)
