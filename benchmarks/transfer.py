@@ -3,7 +3,7 @@ leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
         [--no-few-shot] [--few-shot own|descent|joint] [--suggest] [--design runs|mean]
-        [--unseen population|defaults]
+        [--unseen mixture|population|defaults]
         [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
 This is the benchmark that decides between modelling choices: the runs a user asks about are
@@ -13,10 +13,15 @@ usually from a cluster, a framework or a scale no measurement covers.
    least ``MIN_ROWS`` runs: fit on every other end-to-end run plus every collective and GEMM
    row (``calibration.fit.fit``, the shipped profiles' settings), then predict the held-out
    group without refitting (``calibration.heldout.Predictor``). A held-out cluster that no
-   training run names gets ``--unseen``: the mean constants of the clusters the fit has runs
-   of (``calibration.heldout.population_row``, the default) or the datasheet defaults; with
-   the default, a held-out cluster with collective rows only keeps the network its collectives
-   fit and takes the population for the rest (``heldout.fill_uninformed``). Per
+   training run names gets ``--unseen``: the population of the clusters the fit has runs of,
+   or the datasheet defaults (``defaults``); a held-out cluster with collective rows only
+   keeps the network its collectives fit and takes the population for the rest
+   (``heldout.fill_uninformed``). ``mixture`` (the default) predicts such a row once with
+   each fitted cluster's constants (``heldout.population_mixture``; a GPU family without
+   runs likewise takes each fitted family's ``E2E_ONLY_DEVICE_LEAVES``) and averages the log
+   times, the predictive median over the population; ``population`` plugs in the mean
+   constants (``heldout.population_row``), which predicts faster than that median (time is
+   convex in the constants). Intervals' Jacobians and few-shot starts use the mean. Per
    group: rows, MAPE, bias (mean signed error, %), mean log(pred / meas), worst row, Kendall
    tau; ``coverage_pct`` and ``median_width_pct`` of the 80% intervals (``add_intervals``). A
    group equal to another (the cluster of a one-cluster source) reuses that fit.
@@ -74,6 +79,7 @@ from calibration.heldout import (  # noqa: E402
     load_data,
     map_tables,
     metrics,
+    population_mixture,
     population_row,
     run_fit,
     subset,
@@ -135,6 +141,7 @@ class Transfer:
         self.zero_shot_fits: dict = {}
         self.refits: list = []  # (runs, strength leave-one-out chose) of each few-shot refit
         self.noise: dict = {}  # held-out row mask (bytes) -> the zero-shot fit's residual sd
+        self.members: dict = {}  # held-out row mask (bytes) -> population_mixture (--unseen)
         self.cache = FitCache(args.fits, ROOT, Path(args.data))
         self.say(f"{len(self.e2e)} e2e, {self.P.counts['coll']} collective, "
                  f"{self.P.counts.get('gemm', 0)} GEMM rows")  # fmt: skip
@@ -159,8 +166,9 @@ class Transfer:
         return res, tables, w, wall
 
     def unseen_row(self, tables, w) -> dict | None:
-        """What a cluster without training runs gets (``--unseen``)."""
-        if self.unseen != "population":
+        """What a cluster without training runs gets (``--unseen``; the mean constants for
+        ``mixture`` too, where a single row is needed: intervals' Jacobians, few-shot starts)."""
+        if self.unseen == "defaults":
             return None
         return population_row(self.P, tables, set(self.cluster[w["e2e"] > 0]))
 
@@ -173,9 +181,13 @@ class Transfer:
             return fitted
         return steps, fill_uninformed(self.P, tables, w, unseen, self.cfg.temperature), w
 
-    def predict(self, idx, tables, w) -> np.ndarray:
+    def predict(self, idx, tables, w, members=None) -> np.ndarray:
+        """log predicted times of rows ``idx``; with ``members`` (``population_mixture``) the
+        mean of the members' log predictions."""
         fams, clus = trained_keys(self.P, w)
         rows = [self.e2e[i] for i in idx]
+        if members is not None:
+            return self.predictor.mean_log(rows, self.P, members, fams, clus)
         return self.predictor(rows, self.P, tables, fams, clus, self.unseen_row(tables, w))
 
     def jacobians(self, idx, tables, w) -> np.ndarray:
@@ -272,9 +284,11 @@ def zero_shot(t: Transfer, kind: str, name: str, held: np.ndarray) -> tuple[dict
         else:
             t.say(f"{kind} {name}: fit without {held.sum()} rows read from {t.cache.folder}")
         t.zero_shot_fits[key] = t.filled(fitted)
+        if t.unseen == "mixture":
+            t.members[key] = population_mixture(t.P, fitted[1], fitted[2], t.cfg.temperature)
     _, tables, w = t.zero_shot_fits[key]
     idx = np.flatnonzero(held)
-    pred = t.predict(idx, tables, w)
+    pred = t.predict(idx, tables, w, t.members.get(key))
     m = group_metrics(pred, t.log_meas[idx])
     worst = int(idx[np.argmax(ape_pct(pred, t.log_meas[idx]))])
     r = t.e2e[worst]
@@ -446,7 +460,8 @@ def main(argv=None) -> int:
     ap.add_argument("--design", choices=("runs", "mean"), default="runs",
                     help="--suggest: minimise the runs' mean variance, or the variance of "
                          "their mean log time")  # fmt: skip
-    ap.add_argument("--unseen", choices=("population", "defaults"), default="population",
+    ap.add_argument("--unseen", choices=("population", "mixture", "defaults"),
+                    default="mixture",
                     help="constants of a held-out cluster no training run names")  # fmt: skip
     ap.add_argument("--device-layer-grid", action="store_true",
                     help="fit the device layer shape grid too (FitConfig)")  # fmt: skip

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from calibration import fit as fit_mod
 from calibration import posterior, refit
-from calibration.heldout import fill_uninformed, population_row
+from calibration.heldout import fill_uninformed, population_members, population_row
 from calibration.readers import load
 from calibration.records import FIT_PRECISIONS, Measurements, placed_kernels
 from diffcost import profiles as prof
@@ -85,15 +85,30 @@ def write_stack(path: Path, offsets: dict, meta: dict) -> Path:
     return path
 
 
-def population_values(result: fit_mod.FitResult, problem: fit_mod.Problem, clusters) -> dict:
-    """The cluster constants a cluster no measurement names gets (``diffcost.profiles.
-    population_path``): ``heldout.population_row`` of the fit's tables over ``clusters``, in
-    profile form, without the cluster's own shape grids (they describe one cluster's shapes)."""
-    row = population_row(problem, result.tables, clusters)
+def _population_form(row: dict) -> dict:
+    """Raw cluster leaves in profile form, without the cluster's own shape grids (they
+    describe one cluster's shapes, not a population's)."""
     grids = {fit_mod.CLUSTER_LAYER_LEAF, fit_mod.HEAD_LEAF}
     params = default_params().replace(**{k: v for k, v in row.items() if k not in grids})
     fields = [f for f in prof.CLUSTER_FIELDS if prof.FIELDS[f][0] not in grids]
     return prof.to_values(params, fields)
+
+
+def population_values(result: fit_mod.FitResult, problem: fit_mod.Problem, clusters) -> dict:
+    """The cluster constants a cluster no measurement names gets (``diffcost.profiles.
+    population_path``): ``heldout.population_row`` of the fit's tables over ``clusters``, in
+    profile form, without the cluster's own shape grids."""
+    return _population_form(population_row(problem, result.tables, clusters))
+
+
+def population_member_values(
+    result: fit_mod.FitResult, problem: fit_mod.Problem, clusters
+) -> dict[str, dict]:
+    """{cluster: its constants in the form of ``population_values``} for each of ``clusters``:
+    the population file's ``members`` (``diffcost.profiles.population_members``), whose mean
+    log prediction is a profile-less cluster's (``diffcost.population``)."""
+    rows = population_members(problem, result.tables, clusters)
+    return {c: _population_form(row) for c, row in zip(sorted(clusters), rows)}
 
 
 def with_population(

@@ -114,19 +114,29 @@ def tables_from_result(res: F.FitResult, problem: F.Problem):
     )
 
 
-def population_row(problem: F.Problem, tables, clusters) -> dict:
-    """The mean raw cluster constants of ``clusters`` (each counts once), for a cluster no fit
-    has seen; the cluster's own shape grids stay at factor 1 (they describe one cluster's
-    shapes, not a population's)."""
+def population_members(problem: F.Problem, tables, clusters) -> list[dict]:
+    """The raw cluster constants of each of ``clusters`` (sorted), the members of the
+    population a cluster no fit has seen is drawn from; the cluster's own shape grids stay at
+    factor 1 (they describe one cluster's shapes, not a population's)."""
     clu_t = tables[1]
-    rows = np.array([problem.clusters.index(c) for c in sorted(clusters)], dtype=int)
-    if rows.size == 0:
+    rows = [problem.clusters.index(c) for c in sorted(clusters)]
+    if not rows:
         raise ValueError("a population needs at least one fitted cluster")
     grids = (F.CLUSTER_LAYER_LEAF, F.HEAD_LEAF)
-    return {
-        leaf: jnp.zeros_like(clu_t[leaf][0]) if leaf in grids else jnp.mean(clu_t[leaf][rows], 0)
-        for leaf in F.CLUSTER_LEAVES
-    }
+    return [
+        {
+            leaf: jnp.zeros_like(clu_t[leaf][0]) if leaf in grids else jnp.asarray(clu_t[leaf][j])
+            for leaf in F.CLUSTER_LEAVES
+        }
+        for j in rows
+    ]
+
+
+def population_row(problem: F.Problem, tables, clusters) -> dict:
+    """The mean raw cluster constants of ``clusters`` (``population_members``, each counts
+    once), for a cluster no fit has seen."""
+    members = population_members(problem, tables, clusters)
+    return {leaf: jnp.mean(jnp.stack([m[leaf] for m in members]), 0) for leaf in members[0]}
 
 
 def uninformed(problem: F.Problem, tables, weights: dict, temperature: float) -> dict:
@@ -147,26 +157,53 @@ def uninformed(problem: F.Problem, tables, weights: dict, temperature: float) ->
     }
 
 
-def fill_uninformed(problem: F.Problem, tables, weights: dict, population: dict, temperature):
+def fill_uninformed(problem: F.Problem, tables, weights: dict, population: dict, temperature,
+                    device: dict | None = None, free: dict | None = None):  # fmt: skip
     """``tables`` with ``population``'s value (``population_row``) in every constant of a
     cluster without weighted e2e rows that no weighted row of the other levels reads
-    (``uninformed``): such a cluster (one with collective measurements only) takes its network
-    from its collectives and the rest from the clusters with runs, as a cluster without any
-    measurement does, not from the datasheet defaults. Likewise a GPU family without weighted
-    e2e rows takes the mean of the families with them for ``E2E_ONLY_DEVICE_LEAVES``."""
+    (``uninformed``, or ``free`` when given): such a cluster (one with collective measurements
+    only) takes its network from its collectives and the rest from the clusters with runs, as
+    a cluster without any measurement does, not from the datasheet defaults. Likewise a GPU
+    family without weighted e2e rows takes ``device`` ({leaf: value}; default the mean of the
+    families with them) for ``E2E_ONLY_DEVICE_LEAVES``."""
     with_runs = np.asarray(weights["e2e"]) > 0
     e2e_clusters = np.unique(np.asarray(problem.data["e2e"]["c"])[with_runs])
     no_runs = ~np.isin(np.arange(len(problem.clusters)), e2e_clusters)
     clu = dict(tables[1])
-    for leaf, free in uninformed(problem, tables, weights, temperature).items():
-        take = jnp.asarray(free & no_runs).reshape((-1,) + (1,) * (clu[leaf].ndim - 1))
+    free = uninformed(problem, tables, weights, temperature) if free is None else free
+    for leaf, unread in free.items():
+        take = jnp.asarray(unread & no_runs).reshape((-1,) + (1,) * (clu[leaf].ndim - 1))
         clu[leaf] = jnp.where(take, jnp.asarray(population[leaf]), clu[leaf])
     dev = dict(tables[0])
     fams = np.unique(np.asarray(problem.data["e2e"]["d"])[with_runs])
     lone = jnp.asarray(~np.isin(np.arange(len(problem.families)), fams))
     for leaf in E2E_ONLY_DEVICE_LEAVES if fams.size else ():
-        dev[leaf] = jnp.where(lone, jnp.mean(dev[leaf][fams]), dev[leaf])
+        value = jnp.mean(dev[leaf][fams]) if device is None else device[leaf]
+        dev[leaf] = jnp.where(lone, value, dev[leaf])
     return dev, clu
+
+
+def population_mixture(problem: F.Problem, tables, weights: dict, temperature) -> list:
+    """The members of the population a cluster (or GPU family) without weighted e2e rows is
+    drawn from, as ``[(tables, unseen cluster row)]``: once per fitted cluster
+    (``population_members``) and, when some family has no e2e rows, per fitted family for
+    ``E2E_ONLY_DEVICE_LEAVES``, each member standing in where ``fill_uninformed`` puts the
+    mean. The mean of the members' log predictions (``Predictor.mean_log``) is the predictive
+    median over the population; the plug-in of the mean constants is faster than it, since an
+    iteration's time is convex in them (1 / efficiency, smooth maxima)."""
+    with_runs = np.asarray(weights["e2e"]) > 0
+    clusters = {problem.clusters[j] for j in np.asarray(problem.data["e2e"]["c"])[with_runs]}
+    fams = np.unique(np.asarray(problem.data["e2e"]["d"])[with_runs])
+    lone = len(fams) < len(problem.families)
+    devices = [None]
+    if lone and fams.size:
+        devices = [{leaf: tables[0][leaf][i] for leaf in E2E_ONLY_DEVICE_LEAVES} for i in fams]
+    free = uninformed(problem, tables, weights, temperature)
+    return [
+        (fill_uninformed(problem, tables, weights, m, temperature, device, free), m)
+        for m in population_members(problem, tables, clusters)
+        for device in devices
+    ]
 
 
 def map_tables(
@@ -225,15 +262,25 @@ class Predictor:
     def __call__(
         self, rows, src: F.Problem, tables, fams: set, clus: set, unseen_cluster=None
     ) -> np.ndarray:
+        return self.mean_log(rows, src, [(tables, unseen_cluster)], fams, clus)
+
+    def mean_log(self, rows, src: F.Problem, members, fams: set, clus: set) -> np.ndarray:
+        """The mean over ``members`` (``[(tables, unseen cluster row)]``, e.g.
+        ``population_mixture``) of each member's log prediction of ``rows``."""
         out = []
         for s in range(0, len(rows), self.chunk):
             part = list(rows[s : s + self.chunk])
             n = len(part)
             part += [part[0]] * (self.chunk - n)
-            target, dev, clu = target_tables(
-                part, src, tables, fams, clus, unseen_cluster, self.n_fam, self.n_clu
-            )
-            out.append(np.asarray(self._fn(dev, clu, target.data))[:n])
+            target = F.build_problem(Measurements(e2e=part))
+            logs = [
+                self._fn(
+                    *map_tables(src, tab, fams, clus, target, self.n_fam, self.n_clu, row),
+                    target.data,
+                )  # fmt: skip
+                for tab, row in members
+            ]
+            out.append(np.mean([np.asarray(x, float) for x in logs], axis=0)[:n])
         return np.concatenate(out) if out else np.zeros(0)
 
 

@@ -11,8 +11,10 @@ Writes ``device-<family>.yaml`` and ``<cluster>.yaml`` files, each with
 its ``uncertainty`` block (``calibration.posterior.laplace``: the Laplace posterior of its scalar
 constants, the residual and stack spreads, the runs it was fitted on); ``population.yaml``, the
 cluster constants averaged over the clusters with end-to-end runs, which a cluster without a
-profile of its own gets; and ``stack-<name>.yaml``, the offsets of each software stack with runs
-(``diffcost.stacks``). Prints the before/after error per level.
+profile of its own gets, with each of those clusters' constants (``members``: such a cluster's
+prediction is the mean of their log times, ``diffcost.population``); and
+``stack-<name>.yaml``, the offsets of each software stack with runs (``diffcost.stacks``).
+Prints the before/after error per level.
 """
 
 from __future__ import annotations
@@ -89,7 +91,13 @@ def main(argv=None) -> int:
         prof.write_profile(
             prof.population_path(),
             command.population_values(result, problem, with_runs),
-            {"layer": "population", "key": prof.POPULATION, "mean_of": with_runs, **meta},
+            {
+                "layer": "population",
+                "key": prof.POPULATION,
+                "mean_of": with_runs,
+                **meta,
+                "members": command.population_member_values(result, problem, with_runs),
+            },  # fmt: skip
             posterior.population_block(result, problem, with_runs, spreads),
         )
     )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from diffcost import profiles, smooth
+from diffcost import population, profiles, smooth
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays
 from diffcost.params import Params
 from diffcost.simulate import Breakdown, simulate
@@ -62,10 +62,21 @@ def predict(
 ) -> Breakdown:
     """Predict one experiment; returns a ``Breakdown`` of numpy scalars/arrays.
 
-    ``params`` overrides ``profile`` (see ``params_for``). ``diffcost.predict_interval`` returns
-    the same prediction with its 80% interval and extrapolation warnings.
+    ``params`` overrides ``profile`` (see ``params_for``). A cluster without a profile of its
+    own is predicted with each member of the population (``diffcost.population``: the mean
+    of their log times), where ``params_for`` gives the population's mean constants.
+    ``diffcost.predict_interval`` returns the same prediction with its 80% interval and
+    extrapolation warnings.
     """
     exp = load(config, overrides)
-    params = params_for(exp, profile)[0] if params is None else params
-    out = simulate_jit(*experiment_arrays(exp), params, temperature=temperature)
+    members = []
+    if params is None:
+        members = profiles.population_members(exp.cluster, profile, stack=exp.stack)
+    if members:
+        out = population.simulate_members(
+            *experiment_arrays(exp), population.stack_members(members), temperature=temperature
+        )
+    else:
+        params = params_for(exp, profile)[0] if params is None else params
+        out = simulate_jit(*experiment_arrays(exp), params, temperature=temperature)
     return jax.tree_util.tree_map(np.asarray, out)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from diffcost import explain, extrapolation, profiles, smooth
+from diffcost import explain, extrapolation, population, profiles, smooth
 from diffcost.api import experiment_arrays, load, params_for
 from diffcost.params import Params
 from diffcost.simulate import Breakdown
@@ -36,6 +36,8 @@ class Prediction:
         stack_seen: whether the profile's fit has end-to-end runs of that stack.
         warnings: where the prediction extrapolates (``diffcost.extrapolation``).
         constants: which profile layers gave the constants and the posterior.
+        members: how many members of the population the time is the median over
+            (``diffcost.population``; 0: the constants' own prediction).
     """
 
     breakdown: Breakdown
@@ -47,6 +49,7 @@ class Prediction:
     stack_seen: bool
     warnings: tuple[str, ...]
     constants: str
+    members: int = 0
 
 
 def predict_interval(
@@ -88,16 +91,24 @@ def predict_interval(
     stack = canonical(stack) or exp.stack
     if stack in STACK_NAMES:
         exp = dataclasses.replace(exp, stack=stack)
-    note = "given Params"
+    note, members = "given Params", []
     if params is None:
         params, note = params_for(exp, profile)
+        members = profiles.population_members(exp.cluster, profile, stack=exp.stack)
     unc = profiles.uncertainty_for(exp.cluster, profile) if uncertainty is None else uncertainty
     seen = unc.stack_seen(stack)
-    out, jac = log_time_jacobian(*experiment_arrays(exp), params, temperature=temperature)
+    arrays = experiment_arrays(exp)
+    out, jac = log_time_jacobian(*arrays, params, temperature=temperature)
+    if members:  # the population's median; the posterior's Jacobian at its mean constants
+        out = population.simulate_members(
+            *arrays, population.stack_members(members), temperature=temperature
+        )
+        note += f"; time: the median over the population's {len(members)} members"
     out = jax.tree_util.tree_map(np.asarray, out)
     s = spread(jac, unc, seen)
     t = float(out.iteration_s)
     low, high = s.interval(t)
     rows = explain.elasticities(exp, params, temperature)
     notes = extrapolation.warnings(exp, unc, stack, rows)
-    return Prediction(out, t, low, high, s, stack, seen, tuple(notes), f"{note}; {unc.note}")
+    return Prediction(out, t, low, high, s, stack, seen, tuple(notes), f"{note}; {unc.note}",
+                      len(members))  # fmt: skip

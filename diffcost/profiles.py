@@ -365,6 +365,43 @@ def params_for(
     return params, f"{note}; {stack_note}"
 
 
+def population_members(
+    cluster: ClusterSpec,
+    profile: str | os.PathLike | None = None,
+    dtype=None,
+    stack: str | None = None,
+) -> list[Params]:
+    """The Params of each member of the population (the ``members`` of ``population.yaml``:
+    the constants of each cluster the shipped fit has end-to-end runs of), layered as
+    ``params_for`` layers the population's mean: device file, the member's constants, the
+    offsets of ``stack``. A prediction for a cluster without a profile of its own is the
+    mean of the members' log times (``diffcost.population``), not the time at the mean
+    constants, which is faster (time is convex in them).
+
+    Returns:
+        [] unless the default layering (``profile`` None) uses the population file and the
+        file lists members (one written before them holds the mean alone: its plug-in).
+
+    Raises:
+        ProfileError: ``members`` is not a mapping of cluster names to constants.
+    """
+    path = population_path()
+    if profile is not None or cluster_path(cluster.name).exists() or not path.exists():
+        return []
+    members = _read(path).get("members") or {}
+    if not isinstance(members, dict) or not all(isinstance(v, dict) for v in members.values()):
+        raise ProfileError(f"{path}: members: expected a mapping of clusters to constants")
+    family = gpu_family(cluster.gpu.name)
+    params, dev = default_params(dtype, family), device_profile(family)
+    if dev.exists():
+        params = apply_values(params, _read(dev)["constants"], str(dev))
+    offsets, _ = stack_offsets(stack)
+    return [
+        apply_stack(apply_values(params, values, f"{path}: members.{name}"), offsets)
+        for name, values in members.items()
+    ]
+
+
 def write_profile(path: Path, values: dict, meta: dict, uncertainty: dict | None = None) -> Path:
     """Write constrained ``values`` with provenance ``meta`` as a profile file, and its
     ``uncertainty`` block (``diffcost.uncertainty.to_block``) when given."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params
-from diffcost.profiles import ProfileMismatch, params_for, uncertainty_for
+from diffcost.profiles import ProfileMismatch, params_for, population_members, uncertainty_for
 from diffcost.runs import RowSkipped, read_rows, row_to_specs
 from diffcost.simulate import STATUS_NAMES
 from diffcost.stacks import stack_of
@@ -117,36 +117,45 @@ def _no_time(r: RowResult, cell: str) -> str | None:
 
 
 def _cluster_params(cluster, params: Params | None, profile, software: str | None):
-    """(cluster arrays, Params, note, Uncertainty or None) for a cluster's rows of one software
-    stack; (None, None, reason, None) when the profile file given was fitted on another GPU
-    family, whose rows are then skipped. Params given by the caller have no posterior: no
-    interval."""
+    """(cluster arrays, [Params], note, Uncertainty or None) for a cluster's rows of one
+    software stack: one Params, or for a cluster without a profile of its own each member of
+    the population (``profiles.population_members``); (None, None, reason, None) when the
+    profile file given was fitted on another GPU family, whose rows are then skipped. Params
+    given by the caller have no posterior: no interval."""
     if params is not None:
-        return cluster_arrays(cluster), params, "parameters given by the caller", None
+        return cluster_arrays(cluster), [params], "parameters given by the caller", None
     try:
         cparams, note = params_for(cluster, profile, stack=software)
     except ProfileMismatch as e:
         return None, None, f"not predicted: {e.reason}", None
-    return cluster_arrays(cluster), cparams, note, uncertainty_for(cluster, profile)
+    members = population_members(cluster, profile, stack=software)
+    if members:
+        note += f"; time: the median over the population's {len(members)} members"
+    return cluster_arrays(cluster), members or [cparams], note, uncertainty_for(cluster, profile)
 
 
 def _predict_batch(batch: list) -> None:
     """Predict ``batch`` ((RowResult, model, plan, cluster arrays, Params, Uncertainty, stack)
-    per row) in one vmapped call, filling each row's prediction, interval, peak memory and
-    errors."""
+    per row and member: a row on a cluster without a profile comes once per member of the
+    population) in one vmapped call, filling each row's prediction (the mean of its members'
+    log times, ``diffcost.population``), interval, peak memory and errors."""
     stacked = [stack([b[k] for b in batch]) for k in range(1, 5)]
     out, jac = jax.tree_util.tree_map(np.asarray, log_time_jacobians(*stacked))
-    for j, (r, *_rest, unc, run_stack) in enumerate(batch):
-        pred = float(out.iteration_s[j])
+    entries: dict = {}  # id(row) -> its entries' indices in the batch
+    for j, b in enumerate(batch):
+        entries.setdefault(id(b[0]), []).append(j)
+    for js in entries.values():
+        r, *_rest, unc, run_stack = batch[js[0]]
+        pred = float(np.exp(np.mean(np.log(out.iteration_s[js]))))
         r.predicted_iter_s = pred
-        r.status = STATUS_NAMES[int(out.status[j])]
+        r.status = STATUS_NAMES[int(np.max(out.status[js]))]
         if _no_time(r, "") is None:
             r.ape_pct = _ape_pct(pred, r.measured_iter_s)
-        r.predicted_peak_mem_gib = float(out.memory_allocated_bytes[j]) / GIB
+        r.predicted_peak_mem_gib = float(np.mean(out.memory_allocated_bytes[js])) / GIB
         if r.measured_peak_mem_gib is not None:
             r.mem_ape_pct = _ape_pct(r.predicted_peak_mem_gib, r.measured_peak_mem_gib)
         if unc is not None:
-            s = spread(jac[j], unc, unc.stack_seen(run_stack))
+            s = spread(np.mean(jac[js], axis=0), unc, unc.stack_seen(run_stack))
             r.predicted_iter_s_low, r.predicted_iter_s_high = s.interval(pred)
 
 
@@ -208,7 +217,8 @@ def validate(path: str | os.PathLike, params: Params | None = None, profile=None
         if carr is None:  # the profile file is another GPU's
             r.skipped = note
             continue
-        batch.append((r, model_arrays(model), plan_arrays(plan), carr, cparams, unc, run_stack))
+        marr, parr = model_arrays(model), plan_arrays(plan)
+        batch += [(r, marr, parr, carr, p, unc, run_stack) for p in cparams]
     if batch:
         _predict_batch(batch)
     by_source: dict[str, list[RowResult]] = {}

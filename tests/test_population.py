@@ -10,11 +10,20 @@ import pytest
 
 from calibration import command
 from calibration import fit as fit_mod
-from calibration.heldout import fill_uninformed, population_row
+from calibration.heldout import (
+    Predictor,
+    fill_uninformed,
+    population_mixture,
+    population_row,
+    trained_keys,
+)
 from calibration.readers import load
+from diffcost import api
 from diffcost import profiles as prof
 from diffcost.config import load_cluster
+from diffcost.interval import predict_interval
 from diffcost.params import default_params
+from diffcost.validate import validate
 
 TEMPERATURE = fit_mod.FitConfig().temperature
 
@@ -87,3 +96,97 @@ def test_a_cluster_with_collectives_only_takes_the_population_for_what_they_do_n
     before = predict(clu)[clusters == vtrain]
     after = predict(filled)[clusters == vtrain]
     assert np.all(np.isfinite(np.asarray(after))) and np.all(np.asarray(after > before))
+
+
+def test_a_held_out_cluster_is_predicted_by_the_mean_of_its_members_log_times():
+    """``heldout.population_mixture``: a cluster no weighted run names is predicted once with
+    each fitted cluster's constants, and ``Predictor.mean_log`` averages the log times. Time is
+    convex in log host dispatch, so the mean is slower than the plug-in of the mean constants
+    (``population_row``) when the members differ. A GPU family without runs likewise takes
+    each fitted family's ``E2E_ONLY_DEVICE_LEAVES``."""
+    data = Path(__file__).parent / "data"
+    meas = load([data / "e2e_sample.csv", data / "readers_collectives.csv"])
+    problem = fit_mod.build_problem(meas)
+    clusters = np.asarray(problem.data["e2e"]["c"])
+    held = problem.clusters.index("vtrain-a100")
+    dev, clu = fit_mod.initial_tables(problem)
+    spread = np.log(np.geomspace(3e-6, 3e-3, len(problem.clusters)))
+    clu["host_op_log_s"] = jnp.asarray(spread, clu["host_op_log_s"].dtype)
+    weights = {lvl: np.ones(n) for lvl, n in problem.counts.items()}
+    weights["e2e"] = (clusters != held).astype(float)
+    with_runs = {problem.clusters[c] for c in clusters[clusters != held]}
+    members = population_mixture(problem, (dev, clu), weights, TEMPERATURE)
+    families = set(np.asarray(problem.data["e2e"]["d"])[clusters != held].tolist())
+    assert len(families) < len(problem.families)  # vtrain-a100's A100s: a family without runs
+    assert len(members) == len(with_runs) * len(families) > 1  # each cluster x each family
+    rows = [r for r, c in zip(meas.e2e, clusters) if c == held]
+    fams, clus = trained_keys(problem, weights)
+    predictor = Predictor(len(rows), len(problem.families), len(problem.clusters), TEMPERATURE)
+    each = [predictor(rows, problem, tab, fams, clus, row) for tab, row in members]
+    mixed = predictor.mean_log(rows, problem, members, fams, clus)
+    np.testing.assert_allclose(mixed, np.mean(each, axis=0), rtol=1e-6)
+    mean = population_row(problem, (dev, clu), with_runs)
+    filled = fill_uninformed(problem, (dev, clu), weights, mean, TEMPERATURE)
+    plug_in = predictor(rows, problem, filled, fams, clus, mean)
+    assert np.all(mixed > plug_in + 1e-4)
+
+
+def _population_with_members(monkeypatch, tmp_path, members: dict) -> None:
+    """A profiles folder holding only ``population.yaml``: the mean of ``members``'s host
+    dispatch (raw values are logs: the geometric mean) and, when given, the members."""
+    monkeypatch.setattr(prof, "PROFILES_DIR", tmp_path)
+    mean = float(np.exp(np.mean(np.log([m["host_op_s"] for m in members.values()]))))
+    meta = {"layer": "population", "key": "population"}
+    prof.write_profile(prof.population_path(), {"host_op_s": mean}, {**meta, "members": members})
+
+
+def test_a_cluster_without_profile_predicts_the_mean_of_the_members_log_times(
+    tmp_path, monkeypatch
+):
+    """``diffcost.predict`` (and ``predict_interval``) on a cluster without a profile of its
+    own: the population's predictive median, ``exp(mean log t(member))``, slower than the time
+    at the mean constants (time is convex in log host dispatch); a cluster with its own
+    profile, and a population file without members, keep their single prediction."""
+    members = {"a": {"host_op_s": 1e-6}, "b": {"host_op_s": 3e-3}}
+    _population_with_members(monkeypatch, tmp_path, members)
+    exp = api.load("configs/examples/gpt-1b-vtrain.yaml", ["cluster=selene-a100-80g"])
+    params, _ = api.params_for(exp)
+    plug_in = float(api.predict(exp, params=params).iteration_s)
+    each = [float(api.predict(exp, params=prof.apply_values(params, m)).iteration_s)
+            for m in members.values()]  # fmt: skip
+    median = float(np.exp(np.mean(np.log(each))))
+    out = api.predict(exp)
+    assert float(out.iteration_s) == pytest.approx(median, rel=1e-5)
+    assert float(out.iteration_s) > plug_in * 1.01
+    parts = sum(float(getattr(out, k)) for k in out.TIME_PARTS)
+    mean_parts = np.mean([sum(float(getattr(api.predict(exp, params=prof.apply_values(
+        params, m)), k)) for k in out.TIME_PARTS) for m in members.values()])  # fmt: skip
+    assert parts == pytest.approx(mean_parts * median / np.mean(each), rel=1e-5)
+    pred = predict_interval(exp)
+    assert pred.iteration_s == pytest.approx(median, rel=1e-5) and pred.members == 2
+    assert pred.low_s < pred.iteration_s < pred.high_s
+    own = load_cluster("vtrain-a100")
+    prof.write_profile(prof.cluster_path(own.name), {"host_op_s": 7e-6}, {"layer": "cluster"})
+    assert prof.population_members(own) == [] and prof.population_members(exp.cluster, "none") == []
+    prof.write_profile(prof.population_path(), {"host_op_s": 5e-5}, {"layer": "population"})
+    assert prof.population_members(exp.cluster) == []  # an older file: the plug-in
+    assert float(api.predict(exp).iteration_s) == pytest.approx(
+        float(api.predict(exp, params=api.params_for(exp)[0]).iteration_s)
+    )
+
+
+def test_validate_takes_the_members_median_for_a_cluster_without_profile(tmp_path, monkeypatch):
+    members = {"a": {"host_op_s": 1e-6}, "b": {"host_op_s": 3e-3}}
+    _population_with_members(monkeypatch, tmp_path / "profiles", members)
+    lines = (Path(__file__).parent / "data" / "e2e_sample.csv").read_text().splitlines()
+    csv_path = tmp_path / "selene.csv"
+    csv_path.write_text("\n".join([lines[0]] + [x.replace(",vtrain-a100,", ",selene-a100-80g,")
+                                                for x in lines[1:3]]) + "\n")  # fmt: skip
+    params = prof.params_for(load_cluster("selene-a100-80g"), stack="megatron-deepspeed")[0]
+    each = [[r["predicted_iter_s"] for r in validate(csv_path, params=prof.apply_values(
+        params, m))["rows"]] for m in members.values()]  # fmt: skip
+    out = validate(csv_path)
+    got = [r["predicted_iter_s"] for r in out["rows"]]
+    np.testing.assert_allclose(got, np.exp(np.mean(np.log(each), axis=0)), rtol=1e-5)
+    assert "median over the population's 2 members" in next(iter(out["profiles"].values()))
+    assert all(r["predicted_iter_s_low"] < r["predicted_iter_s"] for r in out["rows"])

@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
     if canonical(args.stack) in STACK_NAMES:
         exp = dataclasses.replace(exp, stack=canonical(args.stack))
     params, note = api.params_for(exp, args.profile)
-    pred = predict_interval(exp, profile=args.profile, stack=args.stack, params=params)
+    pred = predict_interval(exp, profile=args.profile, stack=args.stack)
+    if pred.members:
+        note += f"; time: the median over the population's {pred.members} members"
     d = breakdown_dict(exp, pred.breakdown)
     d["iteration_s_low"], d["iteration_s_high"] = pred.low_s, pred.high_s
     d["interval"] = {

@@ -1,0 +1,64 @@
+"""A cluster without a calibrated profile of its own: the predictive median over the population
+of fitted clusters.
+
+Such a cluster takes the population's constants (``diffcost.profiles.population_path``). Its
+iteration time is convex in them (``1 / efficiency``, smooth maxima of compute against exposed
+communication, of host against GPU time), so the time at the mean constants, ``t(E[theta])``,
+is faster than the population's median ``exp(E[log t(theta)])``. When the population file
+lists its members (``profiles.population_members``), a prediction runs once with each
+member's constants and ``median_breakdown`` combines them: the mean of the log times, the time
+parts and throughputs rescaled to it. The same rule decides held-out clusters in
+``benchmarks/transfer.py`` (``calibration.heldout.population_mixture``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from diffcost import smooth
+from diffcost.params import Params
+from diffcost.simulate import Breakdown, simulate
+
+# Per-iteration rates: value x iteration time is the same for every member (tokens, FLOPs).
+RATES = ("tokens_per_s", "mfu")
+
+
+def stack_members(members: list[Params]) -> Params:
+    """The members' Params with a leading member axis."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *members)
+
+
+def median_breakdown(out: Breakdown) -> Breakdown:
+    """One ``Breakdown`` from one per member (leading axis): ``iteration_s`` the exponential of
+    the mean log time, each time part the members' mean scaled by the same factor as the time
+    (the parts keep their shares), rates at that time, ``status`` the worst, memory and the
+    rest the members' mean (they do not depend on the cluster constants)."""
+    log_t = jnp.log(out.iteration_s)
+    t = jnp.exp(jnp.mean(log_t, 0))
+    scale = t / jnp.mean(out.iteration_s, 0)
+    values = {}
+    for f in dataclasses.fields(out):
+        x = getattr(out, f.name)
+        if f.name == "iteration_s":
+            values[f.name] = t
+        elif f.name in Breakdown.TIME_PARTS:
+            values[f.name] = jnp.mean(x, 0) * scale
+        elif f.name in RATES:
+            values[f.name] = jnp.mean(x * out.iteration_s, 0) / t
+        elif f.name == "status":
+            values[f.name] = jnp.max(x, 0)
+        else:
+            values[f.name] = jnp.mean(x, 0)
+    return out.replace(**values)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature",))
+def simulate_members(model, plan, cluster, members: Params, temperature=smooth.DEFAULT_TEMPERATURE):
+    """``simulate`` of one configuration with each of ``members`` (``stack_members``), combined
+    by ``median_breakdown``."""
+    run = jax.vmap(lambda p: simulate(model, plan, cluster, p, temperature))
+    return median_breakdown(run(members))
