@@ -10,9 +10,11 @@ and the fabric's oversubscription) and predicts the held-out group. This script 
 fold fits (``transfer.zero_shot``; with ``--fits`` the same cache files, ``calibration.fit_cache``,
 as ``transfer.py --fits``) and prices every held-out row three ways with the fold's constants:
 
-* ``comm``: the existing path, as ``transfer.py`` prices it (the fold's device, cluster and
-  software-stack constants, population constants for a cluster no training run names). Each row
-  is checked against ``transfer.py``'s own prediction (``Predictor``): ``max_rel_diff_vs_transfer``.
+* ``comm``: the existing path, as ``transfer.py --unseen population`` prices it (the fold's
+  device, cluster and software-stack constants; a cluster no training run names takes the
+  population's mean constants, where ``transfer.py``'s default takes the median of the
+  population's members' predictions, so its figures for such groups differ). Each row is
+  checked against ``transfer.py``'s own prediction (``Predictor``): ``max_rel_diff_vs_transfer``.
 * ``graph``: the network path on the graph the row's cluster describes (``topology: cluster``,
   the job's ``NetworkTables`` for its GPU count, as ``benchmarks/topology_e2e.py`` builds them),
   without contention between concurrent collectives;
