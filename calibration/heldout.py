@@ -143,8 +143,10 @@ def uninformed(problem: F.Problem, tables, weights: dict, temperature: float) ->
     """Per cluster leaf, ``[clusters]`` booleans: whether no weighted row of ``problem``'s
     levels other than e2e reads the cluster's constant (the weighted sum of those rows' log
     times has zero gradient there). Collectives read a cluster's network constants, never its
-    host dispatch, overlap or overheads."""
+    host dispatch, overlap or overheads. Without rows of another level nothing reads any."""
     data = {lvl: d for lvl, d in weighted(problem, weights).data.items() if lvl != "e2e"}
+    if not data:
+        return {leaf: np.ones(len(problem.clusters), dtype=bool) for leaf in F.CLUSTER_LEAVES}
 
     def total(clu):
         logs = F.predict_log(tables[0], clu, data, temperature)

@@ -16,6 +16,7 @@ from calibration.heldout import (
     population_mixture,
     population_row,
     trained_keys,
+    uninformed,
 )
 from calibration.readers import load
 from diffcost import api
@@ -96,6 +97,25 @@ def test_a_cluster_with_collectives_only_takes_the_population_for_what_they_do_n
     before = predict(clu)[clusters == vtrain]
     after = predict(filled)[clusters == vtrain]
     assert np.all(np.isfinite(np.asarray(after))) and np.all(np.asarray(after > before))
+
+
+def test_with_end_to_end_rows_alone_every_cluster_constant_is_uninformed():
+    """A problem of runs alone (no collective or kernel rows) reads no cluster constant at
+    another level, so a cluster without weighted runs takes the population's every constant."""
+    data = Path(__file__).parent / "data"
+    problem = fit_mod.build_problem(load([data / "e2e_sample.csv"]))
+    assert set(problem.data) == {"e2e"}
+    clusters = np.asarray(problem.data["e2e"]["c"])
+    held = clusters == clusters[0]
+    weights = {"e2e": (~held).astype(float)}
+    tables = fit_mod.initial_tables(problem)
+    free = uninformed(problem, tables, weights, TEMPERATURE)
+    assert all(v.shape == (len(problem.clusters),) and v.all() for v in free.values())
+    with_runs = {problem.clusters[c] for c in clusters[~held]}
+    population = population_row(problem, tables, with_runs)
+    _, filled = fill_uninformed(problem, tables, weights, population, TEMPERATURE)
+    j = int(clusters[0])
+    assert float(filled["host_op_log_s"][j]) == pytest.approx(float(population["host_op_log_s"]))
 
 
 def test_a_held_out_cluster_is_predicted_by_the_mean_of_its_members_log_times():
