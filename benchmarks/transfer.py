@@ -205,8 +205,10 @@ class Transfer:
     def refit(self, held: np.ndarray, shot: np.ndarray) -> float:
         """MAPE on the held-out source's other runs after a refit with its runs ``shot``
         (indices), warm-started from the zero-shot fit (``--few-shot``); a cluster the
-        zero-shot fit had no row of starts at the population's constants (what its prediction
-        used):
+        zero-shot fit had no row of starts at the population's constants, and one still
+        without runs after it is predicted as the zero-shot prediction does (``--unseen``: the
+        median over the members of the population, which now counts the clusters of the runs
+        ``shot``):
 
         * ``own`` (default): ``diffcost calibrate``'s path for a handful of runs,
           ``calibration.refit.refit`` of the shot runs from the zero-shot fit.
@@ -232,7 +234,11 @@ class Transfer:
             # clusters whose constants the zero-shot fit set still count as fitted
             w = {**w, "e2e": np.where((w0["e2e"] > 0) | picked, 1.0, 0.0)}
         rest = np.setdiff1d(np.flatnonzero(held), shot)
-        return float(ape_pct(self.predict(rest, tables, w), self.log_meas[rest]).mean())
+        members = None  # a cluster still without runs: as in the zero-shot prediction
+        if self.unseen == "mixture":
+            members = population_mixture(self.P, tables, w, self.cfg.temperature)
+        pred = self.predict(rest, tables, w, members)
+        return float(ape_pct(pred, self.log_meas[rest]).mean())
 
     def residual_sd(self, held: np.ndarray) -> float | None:
         """The zero-shot fit's residual spread on its own training runs, pooled over (source,
