@@ -54,6 +54,7 @@ GRAPH_CONSTANTS = (
     "sendrecv_peer_max_share",
     "sendrecv_concurrency",
     "sendrecv_balance_bytes",
+    "sendrecv_channel_need",
     *PROTOCOL_CONSTANTS,
     "nvls_chunk_bytes",
 )

@@ -148,9 +148,13 @@ class Constant:
 # e-folds wide), and ``n - 1`` peers at once reach ``min(1, (n - 1) * sendrecv_peer_max_share)``
 # of the links' bandwidth (default 0.5: two peers fill it; 1.5 units of log odds wide, NCCL's
 # channel counts vary by system). The sends of a group whose size is not a power of two leave
-# part of NCCL's channels idle until each peer's send is spread over more of them, which grows
-# with its bytes: ``sendrecv_balance_bytes`` per peer halves the idle share (default 16 MiB,
-# NCCL's largest part per channel within a node; 1.5 e-folds wide; ``sendrecv.channel_rounds``).
+# part of NCCL's p2p channels idle (several peers' sends share a channel) until each send is
+# spread over more of them: a send's channels double while each part would exceed
+# ``sendrecv_balance_bytes`` (default 16 MiB, NCCL's largest part per channel within a node;
+# 1.5 e-folds wide; ``sendrecv.busy_levels`` and ``sendrecv.channel_share``). Busy channels
+# fill the links once ``sendrecv_channel_need`` of them are: the links' bandwidth over the p2p
+# channels' own rates (default 0.75, one unit of log odds wide: NVLink 4 moves about half of
+# what 32 SMs' p2p channels do, NVLink 5 twice as much on similar SMs).
 # Device constants, read only for XLA's tables.
 # NCCL runs each algorithm under one of its protocols, the fastest by its own tuning model
 # (src/graph/tuning.cc: a latency plus the bytes over the protocol's share of the bus bandwidth).
@@ -292,8 +296,10 @@ CONSTANTS = (
     _C("sendrecv_concurrency", "sendrecv_concurrency_log", "log", 8.0, 1.5, "device",
        "grouped sends' peers whose latencies overlap (XLA)", "x"),
     _C("sendrecv_balance_bytes", "sendrecv_balance_log_bytes", "log", 16.0 * 2**20, 1.5,
-       "device", "grouped sends' per-peer size that fills every channel (XLA)", "MiB",
+       "device", "grouped sends' largest part per channel before doubling (XLA)", "MiB",
        2.0**-20),
+    _C("sendrecv_channel_need", "sendrecv_channel_need_logit", "logit", 0.75, 1.0, "device",
+       "share of the p2p channels whose sends fill the links (XLA)", "%", 100.0),
     _C("ll128_bw_share", "ll128_bw_share_logit", "logit", 0.92, 0.7, "device",
        "LL128 protocol's share of the links' bandwidth", "%", 100.0),
     _C("ll128_half_bw_bytes", "ll128_half_bw_log_bytes", "log", 2.0**17, 2.0, "device",

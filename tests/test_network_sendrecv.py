@@ -61,16 +61,84 @@ def test_peer_share_is_a_step_in_the_bytes_per_peer():
     assert shares[3] == pytest.approx(0.6, rel=1e-9)  # halfway at the threshold
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8, 18, 36, 64, 72])
-def test_channel_rounds_fall_from_the_next_power_of_two_to_the_peers(n):
-    """Small sends leave ``1 - (n - 1) / pow2_up(n)`` of the channels idle; the idle share
-    shrinks as each peer's bytes grow and vanishes for large ones."""
-    params = default_params(jnp.float64)
-    rounds = [float(sendrecv.channel_rounds(params, n * 2.0**k, n)) for k in range(0, 48, 2)]
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
+def test_power_of_two_groups_keep_all_but_ones_share_busy_until_every_channel(n):
+    """Rounds 1..n-1 on ``c0 = P / pow2_up(n)`` channels each fill all classes but round 0's:
+    ``(n - 1) / pow2_up(n)`` busy until each send takes every channel, then all."""
+    busy = sendrecv.busy_levels(n)
     pow2 = 2 ** int(np.ceil(np.log2(n)))
-    assert rounds[0] == pytest.approx(pow2, rel=1e-6)
-    assert rounds[-1] == pytest.approx(n - 1, rel=1e-6)
-    assert np.all(np.diff(rounds) <= 0.0)
+    assert busy.shape == (int(np.log2(sendrecv.P2P_CHANNELS)) + 1,)
+    assert np.allclose(busy[:-1], (n - 1) / pow2) and busy[-1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        # 18 ranks: one channel each, rounds 1..17 apart modulo 32; from 4 channels rounds
+        # 1 and 17 share theirs (modulo 8), from 8 channels three classes of 3 ...
+        (18, [17 / 32, 17 / 32, 17 / 24, 17 / 20, 17 / 18, 1.0]),
+        # 36: rounds 1..35 modulo 32 put two sends on channels 1, 2, 3; with two channels
+        # each, classes 1..3 modulo 16 hold three sends on two channels ...
+        (36, [35 / 64, 35 / 48, 35 / 40, 35 / 36, 35 / 36, 1.0]),
+        # 72: rounds 1..71 modulo 32: classes 1..7 hold three sends, the others two
+        (72, [71 / 96, 71 / 80, 71 / 72, 71 / 72, 71 / 72, 1.0]),
+    ],
+)
+def test_busy_levels_follow_nccls_round_to_channel_mapping(n, expected):
+    assert sendrecv.busy_levels(n) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="power of two"):
+        sendrecv.busy_levels(n, p2p_channels=24)
+
+
+def test_channel_share_steps_where_a_send_doubles_its_channels(monkeypatch):
+    """The level of ``c = 2**j`` channels per send holds between ``2**(j-1)`` and ``2**j``
+    times ``sendrecv_balance_bytes`` per peer (NCCL's largest part per channel); sharp steps
+    (at the default width neighbouring levels blend in: the steps are an octave apart)."""
+    monkeypatch.setattr(sendrecv, "STEP_WIDTH", 0.01)
+    params = default_params(jnp.float64)
+    balance = float(params.sendrecv_balance_bytes)
+    busy = jnp.asarray(sendrecv.busy_levels(72))
+    for j, level in enumerate(np.asarray(busy)):
+        peer = balance * 2.0 ** (j - 1) * np.sqrt(2.0) if j else balance / 64.0
+        share = float(sendrecv.channel_share(params, 72 * peer, 72, busy))
+        assert share == pytest.approx(level, rel=1e-6)
+
+
+def test_all_to_all_over_72_runs_at_its_busiest_channels_share(monkeypatch):
+    """Small sends over 72 ranks (1 MiB per peer) keep ``71 / 96`` of NCCL's 32 p2p channels'
+    capacity busy (three sends on the busiest channel), not the ``71 / 128`` of spreading
+    the 71 sends over the next power of two; past 16 MiB per peer each send takes two
+    channels (``71 / 80``; sharp steps)."""
+    monkeypatch.setattr(sendrecv, "STEP_WIDTH", 0.01)
+    topo = switch_domain(72, LinkSpec(100e9, 0.0))
+    params = default_params(jnp.float64).replace(
+        sendrecv_peer_log_bytes=jnp.log(1.0),  # every send past the small-share step
+        sendrecv_peer_max_share_logit=jnp.log(0.99 / 0.01),
+        sendrecv_channel_need_logit=jnp.log(1e8),  # the links need every channel busy
+    )
+    for peer, busy in ((1 * MiB, 71 / 96), (2**0.5 * 16 * MiB, 71 / 80)):
+        eff = float(params.nvlink_eff) * busy
+        plain = params.replace(
+            nvlink_eff_logit=jnp.log(eff / (1.0 - eff)),
+            half_bw_log_bytes=params.sendrecv_half_bw_log_bytes,
+        )
+        grouped = _a2a_s(topo, 72, 72 * peer, True, params)
+        assert grouped == pytest.approx(_a2a_s(topo, 72, 72 * peer, False, plain), rel=1e-6)
+
+
+def test_busy_channels_past_the_need_fill_the_links():
+    """Small sends over 18 ranks keep ``17 / 32`` of the channels busy: at the default
+    ``sendrecv_channel_need`` (0.75) they run at ``17 / 24`` of the links' bandwidth, slower
+    per byte than 16 ranks' (``15 / 16`` busy: all of it); where half the channels fill the
+    links, as fast."""
+    topo = switch_domain(32, LinkSpec(100e9, 0.0))
+    params = default_params(jnp.float64)
+    for need, ratio in ((0.75, 0.75 / (17 / 32)), (0.5, 1.0)):
+        p = params.replace(sendrecv_channel_need_logit=jnp.log(need / (1.0 - need)))
+        per_byte = {
+            n: _a2a_s(topo, n, n * 2 * MiB, True, p) / ((n - 1) * 2 * MiB) for n in (16, 18)
+        }
+        assert per_byte[18] / per_byte[16] == pytest.approx(ratio, rel=0.02)
 
 
 def test_all_to_all_over_a_group_not_a_power_of_two_is_slower_per_peer():
@@ -85,8 +153,8 @@ def test_all_to_all_over_a_group_not_a_power_of_two_is_slower_per_peer():
         per_byte[balance] = {
             n: _a2a_s(topo, n, n * 2 * MiB, True, p) / ((n - 1) * 2 * MiB) for n in (16, 18, 32)
         }
-    uneven = per_byte[16 * MiB]
-    assert uneven[18] > 1.5 * uneven[16] and uneven[18] > 1.5 * uneven[32]
+    uneven = per_byte[16 * MiB]  # 17 / 32 of the channels busy, 0.75 fill the links
+    assert uneven[18] > 1.3 * uneven[16] and uneven[18] > 1.3 * uneven[32]
     even = per_byte[1e-3 * MiB]
     assert even[18] == pytest.approx(even[16], rel=1e-3)
 

@@ -138,6 +138,8 @@ class CollectivePricing:
             minimum of its Simple and LL128 curves (NCCL's protocol choice by size).
         nvls_ops: NVLS's concurrent operations, its channels times ``group_size``: its chunk
             size by message size (``nvls.chunk_efficiency``).
+        sendrecv_busy: ``[J]`` the share of NCCL's p2p channels the grouped sends keep busy
+            as each send takes ``2**j`` channels (``sendrecv.busy_levels``); all-to-all only.
         names, collective: static.
     """
 
@@ -150,6 +152,7 @@ class CollectivePricing:
     tcp: float = 0.0
     protocols: bool = struct.field(pytree_node=False, default=False)
     nvls_ops: float = nvls.DEFAULT_NVLS_CHANNELS * 2.0
+    sendrecv_busy: jax.Array | None = None
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -365,11 +368,15 @@ def collective_pricing(
             if algorithms is not None:
                 raise
     pricing = _stack(full, link_ids, phases, group_size, collective)
+    busy = None
+    if any(name in SENDRECV_ALGORITHMS for name in pricing.names):
+        busy = jnp.asarray(sendrecv.busy_levels(group_size))
     return pricing.replace(
         xla=float(xla),
         tcp=float(transport == "tcp"),
         protocols=protocols,
         nvls_ops=float(nvls_channels * group_size),
+        sendrecv_busy=busy,
     )
 
 
@@ -540,7 +547,8 @@ def collective_time_s(
             late = -params.half_bw_bytes  # not the Simple protocol's buffers
         if name in SENDRECV_ALGORITHMS:  # XLA's: own curve, channels by size, concurrent peers
             late = pricing.xla * (params.sendrecv_half_bw_bytes - params.half_bw_bytes)
-            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size, temperature)
+            busy = pricing.sendrecv_busy
+            share = sendrecv.peer_share(params, msg_bytes, pricing.group_size, temperature, busy)
             capacity = capacity * (1.0 + pricing.xla * (share - 1.0))
             flight = sendrecv.peers_in_flight(params, msg_bytes, pricing.group_size)
             latency = latency * (1.0 + pricing.xla * (1.0 / flight - 1.0))

@@ -32,29 +32,45 @@ all-to-all rows it is fitted on: at 1 MiB the time does not grow from 8 to 32 GP
 where ``n - 1`` latencies in series gave 33-64 us), and above the step the time over a buffer's
 bandwidth grows by about 0.65 us per peer (27 us over 8 GPUs, 64 us over 64).
 
-``channel_rounds`` is how evenly the sends fill NCCL's p2p channels. A group of ``n`` ranks
-gives each peer's send the most channels, a power of two, that lets all ``n`` fit the p2p
-channels at once (``scheduleP2pTasksToPlan``: ``nChannelsMin`` halves while ``nChannelsMin *
-nRanks`` exceeds ``p2pnChannels``), so ``n - 1`` peers keep ``(n - 1) / pow2_up(n)`` of the
-channels busy (the busiest channel carries ``pow2_up(n)`` peers' worth against an even
-``n - 1``, for ``n`` up to twice the channel count): all but one share for a power of two, about
-half for 18, 36 or 72 ranks. As each peer's bytes grow NCCL doubles its channels, and the idle
-share falls in proportion: ``n - 1 + (pow2_up(n) - n + 1) / (1 + peer / sendrecv_balance_bytes)``
-(default 16 MiB: NCCL's largest part per channel within a node, 32 p2p chunks of 512 KiB).
-The form was chosen after looking at XLA's NVL72 all-to-all rows: at 0.5 MiB per peer the time
-over 18, 36 and 72 GPUs equals that over 32, 64 and 128 (two 64-GPU rounds), and at
-4-8 MiB per peer they are still 1.2-1.5x slower per byte than 16, 32 and 64 GPUs, at 256 MiB
-1.05x.
+``busy_levels`` and ``channel_share`` are how evenly the sends fill NCCL's p2p channels
+(``src/enqueue.cc``, ``scheduleP2pTasksToPlan`` and ``addP2pToPlan``; ``src/include/channel.h``).
+The communicator has ``P2P_CHANNELS`` p2p channels (``p2pnChannels``, a power of two). A group
+of ``n`` ranks first gives each peer's send ``c0`` channels, the most (a power of two) with
+``c0 * n <= P2P_CHANNELS`` (``nChannelsMin``; at least one), and doubles a send's channels while
+each channel's part would exceed NCCL's largest part within a node (``maxPartSize``: 32 p2p
+chunks of 512 KiB, 16 MiB; ``sendrecv_balance_bytes``), up to all of them. The send of round
+``r`` (the ``n - 1`` rounds of one rank's peers) takes channel ``(r + bitreverse(part)) mod
+P2P_CHANNELS`` for each of its ``c`` parts (``ncclP2pChannelForPart``), so rounds equal modulo
+``P2P_CHANNELS / c`` share channels; a channel carries the parts of every round of its class,
+and the busiest channel sets the time. ``busy_levels`` (numpy, outside jit) gives, for each
+``c = 2**j``, the share of the channels' capacity the ``n - 1`` sends keep busy, ``(n - 1) /
+(P2P_CHANNELS * L)`` with ``L`` the busiest channel's load in sends: ``(n - 1) / n`` for a
+power of two, ``17 / 32`` over 18 ranks on one channel each, ``71 / 96`` over 72 (rounds 1-7
+modulo 32 carry three sends, the others two), rising to 1 as each send spreads over every
+channel. ``channel_share`` (JAX) reads the level from ``log(msg / n)``: one logistic step
+``STEP_WIDTH`` wide at each doubling, ``2**j * sendrecv_balance_bytes`` per peer. Each channel
+(one thread block) moves its parts at its own rate, so the busy channels fill the links once
+they are ``sendrecv_channel_need`` of all (the links' bandwidth over the channels' summed
+rates): the links run at ``min(1, busy / sendrecv_channel_need)`` of their bandwidth. Chosen after
+looking at XLA's NVL72 all-to-all rows (the tables it is fitted and reported on) beside NCCL's
+rules: with the same bytes per peer, groups of 72, 36 and 18 ranks run at 0.80, 0.65 and 0.72
+of the bandwidth of 64, 32 and 16 up to 8 MiB per peer and catch up at 32, 64 and 128 MiB per
+peer, where one send first takes 2, 4 and 8 channels and the levels reach 0.89-0.97 (32 p2p
+channels give those steps; 64 would put them an octave later).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diffcost import smooth
 
 STEP_WIDTH = 0.25  # e-folds of per-peer size over which the step turns (a factor ~1.3)
+# NCCL's p2p channels (``p2pnChannels``: the communicator's channels rounded up to a power of
+# two); 32 gives the steps of XLA's NVL72 all-to-all tables (``busy_levels``).
+P2P_CHANNELS = 32
 # The channel cap's softness, in units of the caller's temperature (0.1 at the default 1e-3):
 # channels fill the links gradually, and a hard minimum would give its constant no gradient
 # wherever the other term is the smaller one.
@@ -68,36 +84,69 @@ def _all_channels(params, msg_bytes, group_size):
     return jax.nn.sigmoid((jnp.log(peer) - params.sendrecv_peer_log_bytes) / STEP_WIDTH)
 
 
-def peer_share(params, msg_bytes, group_size, temperature=smooth.DEFAULT_TEMPERATURE):
+def peer_share(params, msg_bytes, group_size, temperature=smooth.DEFAULT_TEMPERATURE, busy=None):
     """Share of the links' bandwidth grouped sends reach with ``msg_bytes / group_size`` bytes
     per peer: ``s + (1 - s) * sigmoid(log(peer / sendrecv_peer_bytes) / STEP_WIDTH)``,
     ``s = sendrecv_small_share``, times the share of the channels the ``n - 1`` peers' sends
-    keep busy, ``smin((n - 1) / channel_rounds, (n - 1) * sendrecv_peer_max_share)``
-    (``CAP_SOFTNESS * temperature`` its softness)."""
+    keep busy over the share that fills the links, at most all of it,
+    ``smin(smin(channel_share / sendrecv_channel_need, 1), (n - 1) * sendrecv_peer_max_share)``
+    (``CAP_SOFTNESS * temperature`` the minima's softness). ``busy``:
+    ``busy_levels(group_size)``, computed here from a static ``group_size`` when not given."""
     small = params.sendrecv_small_share
     share = small + (1.0 - small) * _all_channels(params, msg_bytes, group_size)
-    peers = group_size - 1.0
-    busy = peers / channel_rounds(params, msg_bytes, group_size)
-    cap = peers * params.sendrecv_peer_max_share
-    return share * smooth.smin2(busy, cap, CAP_SOFTNESS * temperature)
+    if busy is None:
+        busy = jnp.asarray(busy_levels(int(round(group_size))))
+    soft = CAP_SOFTNESS * temperature
+    need = params.sendrecv_channel_need
+    used = smooth.smin2(channel_share(params, msg_bytes, group_size, busy) / need, 1.0, soft)
+    cap = (group_size - 1.0) * params.sendrecv_peer_max_share
+    return share * smooth.smin2(used, cap, soft)
 
 
-def _pow2_up(n):
-    """The least power of two at least ``n`` (``n`` a static group size, > 0)."""
-    return jnp.exp2(jnp.ceil(jnp.log2(n) - 1e-9))
+def _bit_reverse(x: int, bits: int) -> int:
+    return int(format(x, f"0{bits}b")[::-1], 2) if bits else 0
 
 
-def channel_rounds(params, msg_bytes, group_size):
-    """Peers' sends the busiest channel carries, in units of one peer's send on every channel
-    a group of ``group_size`` gives it: ``pow2_up(n)`` while each peer's send takes its fewest
-    channels (``n - 1`` peers on ``1 / pow2_up(n)`` of the channels each), falling to ``n - 1``
-    as each peer's send takes more channels in proportion to its bytes ``msg / n``:
-    ``n - 1 + (pow2_up(n) - n + 1) / (1 + peer / sendrecv_balance_bytes)``. So
-    ``(n - 1) / channel_rounds`` is the share of the channels busy: ``(n - 1) / n`` for a power
-    of two, about half for 18, 36 or 72 ranks, for small sends."""
-    peer = jnp.maximum(msg_bytes / group_size, 1.0)
-    spread = 1.0 + peer / params.sendrecv_balance_bytes
-    return group_size - 1.0 + (_pow2_up(group_size) - group_size + 1.0) / spread
+def busy_levels(group_size: int, p2p_channels: int = P2P_CHANNELS) -> np.ndarray:
+    """``[log2(p2p_channels) + 1]`` shares of the p2p channels' capacity the sends of one rank
+    to its ``n - 1`` peers keep busy when each send takes ``2**j`` channels (numpy, outside
+    jit): ``(n - 1) / (p2p_channels * L)``, ``L`` the busiest channel's load in sends (a send
+    on ``c`` channels puts ``1 / c`` on each), round ``r`` on channels ``(r + bitreverse(part))
+    mod p2p_channels``; below NCCL's first count ``c0`` (the most, a power of two, with
+    ``c0 * n <= p2p_channels``), ``c0``'s level.
+
+    Raises:
+        ValueError: a group of fewer than 2 ranks, or a channel count not a power of two.
+    """
+    bits = int(np.log2(p2p_channels)) if p2p_channels > 0 else -1
+    if group_size < 2 or bits < 0 or 2**bits != p2p_channels:
+        raise ValueError(
+            f"group_size={group_size}, p2p_channels={p2p_channels}: expected at least 2 ranks "
+            "and a power of two"
+        )
+    first = p2p_channels
+    while first * group_size > p2p_channels and first > 1:
+        first //= 2
+    out = []
+    for j in range(bits + 1):
+        c = max(2**j, first)
+        parts = np.array([_bit_reverse(p, bits) for p in range(c)])
+        channels = (np.arange(1, group_size)[:, None] + parts[None, :]) % p2p_channels
+        load = np.bincount(channels.ravel(), minlength=p2p_channels) / c
+        out.append((group_size - 1.0) / (p2p_channels * load.max()))
+    return np.asarray(out)
+
+
+def channel_share(params, msg_bytes, group_size, busy):
+    """The busy share of ``busy`` (``[J]``, ``busy_levels(group_size)``) for ``msg / group_size``
+    bytes per peer: level ``j + 1`` past ``2**j * sendrecv_balance_bytes`` (NCCL doubles a
+    send's channels while each part would exceed that), each step a logistic ``STEP_WIDTH``
+    wide in ``log(peer)``."""
+    peer = jnp.log(jnp.maximum(msg_bytes / group_size, 1.0))
+    doublings = jnp.arange(busy.shape[0] - 1, dtype=busy.dtype) * np.log(2.0)
+    steps = doublings + params.sendrecv_balance_log_bytes
+    rise = jax.nn.sigmoid((peer - steps) / STEP_WIDTH)
+    return busy[0] + jnp.sum(rise * jnp.diff(busy))
 
 
 def peers_in_flight(params, msg_bytes, group_size):
