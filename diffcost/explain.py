@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffcost import smooth
+from diffcost import profiles, smooth
 from diffcost.cache import fast_compile_jit
 from diffcost.params import BY_LEAF, CONSTANTS, Params
 from diffcost.simulate import STATUS_NAMES, simulate
@@ -140,6 +140,12 @@ def explain(
     note = "given Params"
     if params is None:
         params, note = params_for(exp, profile)
+        members = profiles.population_members(exp.cluster, profile, stack=exp.stack)
+        if members:  # predict's time is their median (diffcost.population)
+            note += (
+                "; time and elasticities at the population's mean constants (predict: the "
+                f"median over its {len(members)} members)"
+            )
     model, plan, cluster = experiment_arrays(exp)
     dtype = np.asarray(cluster.hbm_Bps).dtype
     # one dtype, no weak types: every call hits the same compiled program

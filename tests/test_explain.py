@@ -193,3 +193,15 @@ def test_cli_profile_picks_the_constants_like_predict(capsys):
     assert none["iteration_s"] == pytest.approx(explain(GPT1B, params)["iteration_s"], rel=1e-9)
     assert cli.main(["explain", GPT1B, "--top", "0"]) == 2
     assert "--top 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_explain_says_when_predict_takes_the_population_median():
+    """On a cluster without a profile of its own ``predict`` times the population's members
+    (``diffcost.population``) while the elasticities are at their mean constants: the note
+    says so; on a cluster with a profile it does not."""
+    from diffcost.explain import explain
+
+    profileless = explain("configs/examples/gpt3-175b.yaml")
+    assert "median over its" in profileless["constants"]
+    profiled = explain("configs/examples/llama3-70b-h100.yaml")  # dgx-h100 has a profile
+    assert "median over its" not in profiled["constants"]
