@@ -103,7 +103,7 @@ def predict_interval(
         out = population.simulate_members(
             *arrays, population.stack_members(members), temperature=temperature
         )
-        note += f"; time: the median over the population's {len(members)} members"
+        note += f"; {population.median_note(len(members))}"
     out = jax.tree_util.tree_map(np.asarray, out)
     s = spread(jac, unc, seen)
     t = float(out.iteration_s)

@@ -27,6 +27,11 @@ from diffcost.simulate import Breakdown, simulate
 RATES = ("tokens_per_s", "mfu")
 
 
+def median_note(n_members: int) -> str:
+    """What a prediction's note says when its time is the median over ``n_members``."""
+    return f"time: the median over the population's {n_members} members"
+
+
 def stack_members(members: list[Params]) -> Params:
     """The members' Params with a leading member axis."""
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *members)

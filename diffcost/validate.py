@@ -25,6 +25,7 @@ import numpy as np
 
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params
+from diffcost.population import median_note
 from diffcost.profiles import ProfileMismatch, params_for, population_members, uncertainty_for
 from diffcost.runs import RowSkipped, read_rows, row_to_specs
 from diffcost.simulate import STATUS_NAMES
@@ -130,7 +131,7 @@ def _cluster_params(cluster, params: Params | None, profile, software: str | Non
         return None, None, f"not predicted: {e.reason}", None
     members = population_members(cluster, profile, stack=software)
     if members:
-        note += f"; time: the median over the population's {len(members)} members"
+        note += f"; {median_note(len(members))}"
     return cluster_arrays(cluster), members or [cparams], note, uncertainty_for(cluster, profile)
 
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 from rich.console import Console
 
-from diffcost import api, trace
+from diffcost import api, population, trace
 from diffcost import config as config_mod
 from diffcost.arrays import GiB
 from diffcost.cli import common, graph
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     params, note = api.params_for(exp, args.profile)
     pred = predict_interval(exp, profile=args.profile, stack=args.stack)
     if pred.members:
-        note += f"; time: the median over the population's {pred.members} members"
+        note += f"; {population.median_note(pred.members)}"
     d = breakdown_dict(exp, pred.breakdown)
     d["iteration_s_low"], d["iteration_s_high"] = pred.low_s, pred.high_s
     d["interval"] = {
