@@ -32,8 +32,9 @@ def test_predict_json_has_documented_keys(capsys):
 def test_predict_finds_a_shipped_example_by_file_name_from_any_directory(
     capsys, tmp_path, monkeypatch
 ):
-    """The README's first command: ``diffcost predict gpt-1b-vtrain.yaml`` outside the checkout
-    (the graph-model check must not read the name as a path), and a missing file is exit 2."""
+    """A shipped example by file name outside the checkout, as the README's first command
+    names ``gpt3-175b.yaml`` (the graph-model check must not read the name as a path), and a
+    missing file is exit 2."""
     monkeypatch.chdir(tmp_path)
     d = _json(capsys, ["predict", Path(EXAMPLE).name, "--json"])
     assert d["status"] == "ok"
