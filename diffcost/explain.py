@@ -140,11 +140,11 @@ def explain(
     note = "given Params"
     if params is None:
         params, note = params_for(exp, profile)
-        members = profiles.population_members(exp.cluster, profile, stack=exp.stack)
+        members = profiles.population_size(exp.cluster, profile)
         if members:  # predict's time is their median (diffcost.population)
             note += (
                 "; time and elasticities at the population's mean constants (predict: the "
-                f"median over its {len(members)} members)"
+                f"median over its {members} members)"
             )
     model, plan, cluster = experiment_arrays(exp)
     dtype = np.asarray(cluster.hbm_Bps).dtype

@@ -20,7 +20,13 @@ from diffcost.params import Params
 from diffcost.simulate import Breakdown
 from diffcost.specs import Experiment
 from diffcost.stacks import STACK_NAMES, canonical
-from diffcost.uncertainty import Spread, Uncertainty, log_time_jacobian, spread
+from diffcost.uncertainty import (
+    Spread,
+    Uncertainty,
+    log_time_jacobian,
+    member_log_time_jacobians,
+    spread,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,8 @@ class Prediction:
         constants: which profile layers gave the constants and the posterior.
         members: how many members of the population the time is the median over
             (``diffcost.population``; 0: the constants' own prediction).
+        params: the constants (for a cluster without a profile, the population's mean).
+        profile: which profile layers gave them, and whether the time is the members' median.
     """
 
     breakdown: Breakdown
@@ -50,6 +58,8 @@ class Prediction:
     warnings: tuple[str, ...]
     constants: str
     members: int = 0
+    params: Params | None = None
+    profile: str = ""
 
 
 def predict_interval(
@@ -98,17 +108,19 @@ def predict_interval(
     unc = profiles.uncertainty_for(exp.cluster, profile) if uncertainty is None else uncertainty
     seen = unc.stack_seen(stack)
     arrays = experiment_arrays(exp)
-    out, jac = log_time_jacobian(*arrays, params, temperature=temperature)
-    if members:  # the population's median; the posterior's Jacobian at its mean constants
-        out = population.simulate_members(
-            *arrays, population.stack_members(members), temperature=temperature
-        )
+    if members:  # the population's median (diffcost.population)
+        stacked = population.stack_members(members)
+        out, jac = member_log_time_jacobians(*arrays, stacked, temperature=temperature)
+        out = population.median_breakdown(jax.tree_util.tree_map(np.asarray, out))
+        jac = population.median_jacobian(jac)
         note += f"; {population.median_note(len(members))}"
-    out = jax.tree_util.tree_map(np.asarray, out)
+    else:
+        out, jac = log_time_jacobian(*arrays, params, temperature=temperature)
+        out = jax.tree_util.tree_map(np.asarray, out)
     s = spread(jac, unc, seen)
     t = float(out.iteration_s)
     low, high = s.interval(t)
     rows = explain.elasticities(exp, params, temperature)
     notes = extrapolation.warnings(exp, unc, stack, rows)
     return Prediction(out, t, low, high, s, stack, seen, tuple(notes), f"{note}; {unc.note}",
-                      len(members))  # fmt: skip
+                      len(members), params, note)  # fmt: skip

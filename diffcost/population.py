@@ -7,8 +7,10 @@ communication, of host against GPU time), so the time at the mean constants, ``t
 is faster than the population's median ``exp(E[log t(theta)])``. When the population file
 lists its members (``profiles.population_members``), a prediction runs once with each
 member's constants and ``median_breakdown`` combines them: the mean of the log times, the time
-parts and throughputs rescaled to it. The same rule decides held-out clusters in
-``benchmarks/transfer.py`` (``calibration.heldout.population_mixture``).
+parts and throughputs rescaled to it. The sensitivity of that median to the constants (a shift
+applied to every member alike) is the mean of the members' ``d log T / d raw``
+(``median_jacobian``), which the 80% interval propagates. The same rules decide held-out
+clusters in ``benchmarks/transfer.py`` (``calibration.heldout.population_mixture``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diffcost import smooth
 from diffcost.params import Params
@@ -41,24 +44,30 @@ def median_breakdown(out: Breakdown) -> Breakdown:
     """One ``Breakdown`` from one per member (leading axis): ``iteration_s`` the exponential of
     the mean log time, each time part the members' mean scaled by the same factor as the time
     (the parts keep their shares), rates at that time, ``status`` the worst, memory and the
-    rest the members' mean (they do not depend on the cluster constants)."""
-    log_t = jnp.log(out.iteration_s)
-    t = jnp.exp(jnp.mean(log_t, 0))
-    scale = t / jnp.mean(out.iteration_s, 0)
+    rest the members' mean (they do not depend on the cluster constants). Traced arrays are
+    combined with ``jax.numpy``, host arrays with numpy (one row of ``validate``'s batch)."""
+    xp = jnp if isinstance(out.iteration_s, jax.Array) else np
+    t = xp.exp(xp.mean(xp.log(out.iteration_s), 0))
+    scale = t / xp.mean(out.iteration_s, 0)
     values = {}
     for f in dataclasses.fields(out):
         x = getattr(out, f.name)
         if f.name == "iteration_s":
             values[f.name] = t
         elif f.name in Breakdown.TIME_PARTS:
-            values[f.name] = jnp.mean(x, 0) * scale
+            values[f.name] = xp.mean(x, 0) * scale
         elif f.name in RATES:
-            values[f.name] = jnp.mean(x * out.iteration_s, 0) / t
+            values[f.name] = xp.mean(x * out.iteration_s, 0) / t
         elif f.name == "status":
-            values[f.name] = jnp.max(x, 0)
+            values[f.name] = xp.max(x, 0)
         else:
-            values[f.name] = jnp.mean(x, 0)
+            values[f.name] = xp.mean(x, 0)
     return out.replace(**values)
+
+
+def median_jacobian(jac):
+    """``d log T / d raw`` of the median from the members' (leading axis): their mean."""
+    return np.mean(np.asarray(jac, dtype=float), axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature",))

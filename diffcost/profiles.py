@@ -385,12 +385,10 @@ def population_members(
     Raises:
         ProfileError: ``members`` is not a mapping of cluster names to constants.
     """
-    path = population_path()
-    if profile is not None or cluster_path(cluster.name).exists() or not path.exists():
+    members = _member_constants(cluster, profile)
+    if not members:
         return []
-    members = _read(path).get("members") or {}
-    if not isinstance(members, dict) or not all(isinstance(v, dict) for v in members.values()):
-        raise ProfileError(f"{path}: members: expected a mapping of clusters to constants")
+    path = population_path()
     family = gpu_family(cluster.gpu.name)
     params, dev = default_params(dtype, family), device_profile(family)
     if dev.exists():
@@ -400,6 +398,23 @@ def population_members(
         apply_stack(apply_values(params, values, f"{path}: members.{name}"), offsets)
         for name, values in members.items()
     ]
+
+
+def population_size(cluster: ClusterSpec, profile: str | os.PathLike | None = None) -> int:
+    """How many members ``population_members`` gives (0: the constants' own prediction)."""
+    return len(_member_constants(cluster, profile))
+
+
+def _member_constants(cluster: ClusterSpec, profile) -> dict:
+    """The population file's ``members`` (cluster name -> constants) where ``cluster`` takes
+    them (the default layering without a profile of its own), else {}."""
+    path = population_path()
+    if profile is not None or cluster_path(cluster.name).exists() or not path.exists():
+        return {}
+    members = _read(path).get("members") or {}
+    if not isinstance(members, dict) or not all(isinstance(v, dict) for v in members.values()):
+        raise ProfileError(f"{path}: members: expected a mapping of clusters to constants")
+    return members
 
 
 def write_profile(path: Path, values: dict, meta: dict, uncertainty: dict | None = None) -> Path:

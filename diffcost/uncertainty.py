@@ -317,9 +317,15 @@ def _batched(models, plans, clusters, params, temperature):
     return jax.vmap(run)(models, plans, clusters, params)
 
 
+def _members(model, plan, cluster, members, temperature):
+    run = functools.partial(_log_time_jacobian, model, plan, cluster, temperature=temperature)
+    return jax.vmap(run)(members)
+
+
 # reverse passes of ``simulate``: compiled the fast way (``diffcost.cache``)
 _one = fast_compile_jit(_log_time_jacobian, static_argnames=("temperature",))
 _many = fast_compile_jit(_batched, static_argnames=("temperature",))
+_per_member = fast_compile_jit(_members, static_argnames=("temperature",))
 
 
 def log_time_jacobian(model, plan, cluster, params, temperature=smooth.DEFAULT_TEMPERATURE):
@@ -331,6 +337,15 @@ def log_time_jacobian(model, plan, cluster, params, temperature=smooth.DEFAULT_T
 def log_time_jacobians(models, plans, clusters, params, temperature=smooth.DEFAULT_TEMPERATURE):
     """``log_time_jacobian`` of a batch (every argument with a leading axis), vmapped."""
     return _many(models, plans, clusters, params, temperature=temperature)
+
+
+def member_log_time_jacobians(
+    model, plan, cluster, members, temperature=smooth.DEFAULT_TEMPERATURE
+):  # fmt: skip
+    """``log_time_jacobian`` of one configuration with each of ``members`` (Params with a
+    leading member axis, ``diffcost.population.stack_members``): Breakdowns and Jacobians
+    with that leading axis."""
+    return _per_member(model, plan, cluster, members, temperature=temperature)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 
 from diffcost.arrays import cluster_arrays, model_arrays, plan_arrays, stack
 from diffcost.params import Params
-from diffcost.population import median_note
+from diffcost.population import median_breakdown, median_jacobian, median_note
 from diffcost.profiles import ProfileMismatch, params_for, population_members, uncertainty_for
 from diffcost.runs import RowSkipped, read_rows, row_to_specs
 from diffcost.simulate import STATUS_NAMES
@@ -138,8 +138,8 @@ def _cluster_params(cluster, params: Params | None, profile, software: str | Non
 def _predict_batch(batch: list) -> None:
     """Predict ``batch`` ((RowResult, model, plan, cluster arrays, Params, Uncertainty, stack)
     per row and member: a row on a cluster without a profile comes once per member of the
-    population) in one vmapped call, filling each row's prediction (the mean of its members'
-    log times, ``diffcost.population``), interval, peak memory and errors."""
+    population) in one vmapped call, filling each row's prediction (its members' median,
+    ``diffcost.population``; one member's is its own), interval, peak memory and errors."""
     stacked = [stack([b[k] for b in batch]) for k in range(1, 5)]
     out, jac = jax.tree_util.tree_map(np.asarray, log_time_jacobians(*stacked))
     entries: dict = {}  # id(row) -> its entries' indices in the batch
@@ -147,16 +147,17 @@ def _predict_batch(batch: list) -> None:
         entries.setdefault(id(b[0]), []).append(j)
     for js in entries.values():
         r, *_rest, unc, run_stack = batch[js[0]]
-        pred = float(np.exp(np.mean(np.log(out.iteration_s[js]))))
+        row = median_breakdown(jax.tree_util.tree_map(lambda x, js=js: x[js], out))
+        pred = float(row.iteration_s)
         r.predicted_iter_s = pred
-        r.status = STATUS_NAMES[int(np.max(out.status[js]))]
+        r.status = STATUS_NAMES[int(row.status)]
         if _no_time(r, "") is None:
             r.ape_pct = _ape_pct(pred, r.measured_iter_s)
-        r.predicted_peak_mem_gib = float(np.mean(out.memory_allocated_bytes[js])) / GIB
+        r.predicted_peak_mem_gib = float(row.memory_allocated_bytes) / GIB
         if r.measured_peak_mem_gib is not None:
             r.mem_ape_pct = _ape_pct(r.predicted_peak_mem_gib, r.measured_peak_mem_gib)
         if unc is not None:
-            s = spread(np.mean(jac[js], axis=0), unc, unc.stack_seen(run_stack))
+            s = spread(median_jacobian(jac[js]), unc, unc.stack_seen(run_stack))
             r.predicted_iter_s_low, r.predicted_iter_s_high = s.interval(pred)
 
 

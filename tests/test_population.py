@@ -24,6 +24,7 @@ from diffcost import profiles as prof
 from diffcost.config import load_cluster
 from diffcost.interval import predict_interval
 from diffcost.params import default_params
+from diffcost.uncertainty import SCALAR_NAMES, Uncertainty
 from diffcost.validate import validate
 
 TEMPERATURE = fit_mod.FitConfig().temperature
@@ -210,3 +211,30 @@ def test_validate_takes_the_members_median_for_a_cluster_without_profile(tmp_pat
     np.testing.assert_allclose(got, np.exp(np.mean(np.log(each), axis=0)), rtol=1e-5)
     assert "median over the population's 2 members" in next(iter(out["profiles"].values()))
     assert all(r["predicted_iter_s_low"] < r["predicted_iter_s"] for r in out["rows"])
+
+
+def test_the_median_s_interval_propagates_the_members_mean_jacobian(tmp_path, monkeypatch):
+    """The posterior part of the interval of a population median is ``|dlog T / d raw|`` of
+    the median itself: shifting a constant of every member alike moves the mean log time by
+    the members' mean Jacobian, not by the Jacobian at the mean constants (host dispatch far
+    apart in the two members makes the two differ)."""
+    members = {"a": {"host_op_s": 1e-6}, "b": {"host_op_s": 3e-3}}
+    _population_with_members(monkeypatch, tmp_path, members)
+    exp = api.load("configs/examples/gpt-1b-vtrain.yaml", ["cluster=selene-a100-80g"])
+    params, _ = api.params_for(exp)
+    k = SCALAR_NAMES.index("host_op_s")
+    cov = np.zeros((len(SCALAR_NAMES), len(SCALAR_NAMES)))
+    cov[k, k] = 1.0
+    pred = predict_interval(exp, uncertainty=Uncertainty(cov=cov))
+    eps = 1e-2
+
+    def median_log(shift: float) -> float:
+        times = [float(api.predict(exp, params=prof.apply_values(
+            params, {"host_op_s": m["host_op_s"] * np.exp(shift)})).iteration_s)
+            for m in members.values()]  # fmt: skip
+        return float(np.mean(np.log(times)))
+
+    slope = (median_log(eps) - median_log(-eps)) / (2 * eps)
+    assert pred.spread.posterior_sd == pytest.approx(abs(slope), rel=0.02)
+    at_mean = predict_interval(exp, params=params, uncertainty=Uncertainty(cov=cov))
+    assert abs(at_mean.spread.posterior_sd - abs(slope)) > 0.05 * abs(slope)

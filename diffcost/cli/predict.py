@@ -13,8 +13,8 @@ import sys
 import numpy as np
 from rich.console import Console
 
-from diffcost import api, population, trace
 from diffcost import config as config_mod
+from diffcost import trace
 from diffcost.arrays import GiB
 from diffcost.cli import common, graph
 from diffcost.interval import predict_interval
@@ -218,10 +218,8 @@ def run(args: argparse.Namespace) -> int:
     exp = _experiment(args)
     if canonical(args.stack) in STACK_NAMES:
         exp = dataclasses.replace(exp, stack=canonical(args.stack))
-    params, note = api.params_for(exp, args.profile)
     pred = predict_interval(exp, profile=args.profile, stack=args.stack)
-    if pred.members:
-        note += f"; {population.median_note(pred.members)}"
+    note = pred.profile
     d = breakdown_dict(exp, pred.breakdown)
     d["iteration_s_low"], d["iteration_s_high"] = pred.low_s, pred.high_s
     d["interval"] = {
@@ -236,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     d["warnings"] = list(pred.warnings)
     d["profile"] = note
     if args.trace:
-        trace.write_experiment_trace(args.trace, exp, params)
+        trace.write_experiment_trace(args.trace, exp, pred.params)
         d["trace"] = args.trace
     if args.json:
         common.print_json(d)
