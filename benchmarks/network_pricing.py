@@ -101,6 +101,13 @@ class GraphPricer:
                 out[path][i] = float(self._fn(dev, clu, {"e2e": {**one, "cluster": arrays}})[0])
         return out
 
+    def median(self, rows, src: F.Problem, members, fams, clus) -> dict:
+        """{path: [rows]} the mean over ``members`` (``heldout.population_mixture``:
+        ``[(tables, unseen cluster row)]``) of each member's log predictions: the population's
+        predictive median, as ``heldout.Predictor.mean_log`` takes it."""
+        outs = [self(rows, src, tab, fams, clus, row) for tab, row in members]
+        return {p: np.mean([o[p] for o in outs], axis=0) for p in self.paths}
+
 
 def _batched(tree):
     return jax.tree_util.tree_map(lambda x: x[None], tree)

@@ -2,7 +2,7 @@
 fitted on the existing path and its held-out rows priced on the graph.
 
     python benchmarks/transfer_network.py [--json] [--quick] [--groups A,B] [--fits DIR]
-        [--rows CSV] [--data DIR] [--fit-path comm|graph]
+        [--rows CSV] [--data DIR] [--fit-path comm|graph] [--unseen mixture|population]
 
 ``benchmarks/transfer.py`` leaves one source or one cluster out, fits the constants on every
 other run (``calibration.fit``, the existing path: ``diffcost.comm``'s NVLink ring-share table
@@ -10,11 +10,11 @@ and the fabric's oversubscription) and predicts the held-out group. This script 
 fold fits (``transfer.zero_shot``; with ``--fits`` the same cache files, ``calibration.fit_cache``,
 as ``transfer.py --fits``) and prices every held-out row three ways with the fold's constants:
 
-* ``comm``: the existing path, as ``transfer.py --unseen population`` prices it (the fold's
-  device, cluster and software-stack constants; a cluster no training run names takes the
-  population's mean constants, where ``transfer.py``'s default takes the median of the
-  population's members' predictions, so its figures for such groups differ). Each row is
-  checked against ``transfer.py``'s own prediction (``Predictor``): ``max_rel_diff_vs_transfer``.
+* ``comm``: the existing path, as ``transfer.py`` prices it (the fold's device, cluster and
+  software-stack constants; a row on a cluster or GPU family without end-to-end training runs
+  is the median over the population's members, ``--unseen mixture``, or with ``--unseen
+  population`` the prediction at their mean constants). Each row is checked against
+  ``transfer.py``'s own prediction (``Predictor``): ``max_rel_diff_vs_transfer``.
 * ``graph``: the network path on the graph the row's cluster describes (``topology: cluster``,
   the job's ``NetworkTables`` for its GPU count, as ``benchmarks/topology_e2e.py`` builds them),
   without contention between concurrent collectives;
@@ -65,6 +65,7 @@ from network_pricing import (  # noqa: E402
 )
 
 from calibration.heldout import trained_keys  # noqa: E402
+from diffcost.gpus import preset_family  # noqa: E402
 
 
 def group_result(t: T.Transfer, pricer: GraphPricer, kind: str, name: str, held) -> dict:
@@ -75,7 +76,14 @@ def group_result(t: T.Transfer, pricer: GraphPricer, kind: str, name: str, held)
     _, tables, w = t.zero_shot_fits[held.tobytes()]
     idx = np.flatnonzero(held)
     fams, clus = trained_keys(t.P, w)
-    preds = pricer([t.e2e[i] for i in idx], t.P, tables, fams, clus, t.unseen_row(tables, w))
+    rows = [t.e2e[i] for i in idx]
+    preds = pricer(rows, t.P, tables, fams, clus, t.unseen_row(tables, w))
+    members = t.members.get(held.tobytes())
+    new = np.flatnonzero(unseen_rows(t, idx, w)) if members else []
+    if len(new):  # the members differ only where a cluster or family has no e2e runs
+        median = pricer.median([rows[k] for k in new], t.P, members, fams, clus)
+        for p, x in median.items():
+            preds[p][new] = x
     meas = t.log_meas[idx]
     rel = max_rel_diff(preds["comm"], pred_transfer)
     return {
@@ -87,6 +95,16 @@ def group_result(t: T.Transfer, pricer: GraphPricer, kind: str, name: str, held)
         **path_figures(preds, meas),
         "row_predictions": {"row": [t.e2e[i].row for i in idx], **row_columns(meas, preds)},
     }
+
+
+def unseen_rows(t: T.Transfer, idx, w) -> np.ndarray:
+    """Per row of ``idx``: whether its cluster or its GPU family has no end-to-end training
+    run in the fold (``w``), i.e. takes the population's members."""
+    runs = np.asarray(w["e2e"]) > 0
+    clusters = set(t.cluster[runs])
+    families = {preset_family(c) for c in clusters}
+    return np.array([t.cluster[i] not in clusters or preset_family(t.cluster[i]) not in families
+                     for i in idx])  # fmt: skip
 
 
 def csv_rows(groups: list) -> list[dict]:
@@ -119,7 +137,7 @@ def summary(groups: list) -> dict:
 def measure(args) -> dict:
     t0 = time.perf_counter()
     targs = argparse.Namespace(
-        json=False, quick=args.quick, unseen="population", device_layer_grid=False,
+        json=False, quick=args.quick, unseen=args.unseen, device_layer_grid=False,
         no_stacks=False, no_family_parents=False, few_shot="own", design="runs",
         data=args.data, fits=args.fits,
     )  # fmt: skip
@@ -179,6 +197,9 @@ def main(argv=None) -> int:
                     help="folder of the zero-shot fits, shared with transfer.py --fits "
                          "(calibration.fit_cache)")  # fmt: skip
     ap.add_argument("--rows", default="", help="CSV of every held-out row's predictions")
+    ap.add_argument("--unseen", choices=("mixture", "population"), default="mixture",
+                    help="a cluster without training runs: the median over the population's "
+                         "members, or its mean constants (transfer.py --unseen)")  # fmt: skip
     ap.add_argument("--fit-path", choices=tuple(FIT_NOTES), default="comm",
                     help="fit on the existing path (comm) or with the e2e rows on the graph "
                          "with contention (graph)")  # fmt: skip
