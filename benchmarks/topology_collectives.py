@@ -8,9 +8,7 @@ priced twice with the cluster's shipped calibrated profile (``diffcost.profiles.
 on the cluster's graph (``diffcost.network.generators.from_cluster`` over the row's nodes,
 ``diffcost.network.cost``) and by the shipped model (``diffcost.comm``), placed as the
 calibration places it. The graph offers NVLink SHARP (``nvls``) on clusters whose switches
-reduce (on the NVLS channels NCCL runs on the cluster's GPUs, ``nvls.nvls_channels``; for
-all-gather and reduce-scatter where NCCL's own cost model picks it over the ring,
-``nvls.nccl_choice``) and
+reduce (on the NVLS channels NCCL runs on the cluster's GPUs, ``nvls.nvls_channels``) and
 prices the rows of XLA's table as XLA runs them (``cost.collective_pricing(..., xla=True)``),
 with NCCL's LL128 protocol beside Simple (``protocols=True``). The graph path's
 own constants, which ``comm`` and so the shipped profiles do not have
@@ -90,7 +88,6 @@ def _graph_price(op, rec, cluster):
         transport=cluster.transport,
         protocols=rec.source_name == XLA_SOURCE,
         nvls_channels=nvls.nvls_channels(gpu_family(cluster.gpu.name)),
-        nvls_efficiency=nvls.nvls_efficiency(gpu_family(cluster.gpu.name)),
     )
     capacity = jnp.asarray(topology.capacity_Bps)
     one = lambda p, m: cost.collective_time_s(pricing, m, capacity, p, TEMPERATURE)  # noqa: E731

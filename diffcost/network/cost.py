@@ -140,9 +140,6 @@ class CollectivePricing:
             size by message size (``nvls.chunk_efficiency``).
         sendrecv_busy: ``[J]`` the share of NCCL's p2p channels the grouped sends keep busy
             as each send takes ``2**j`` channels (``sendrecv.busy_levels``); all-to-all only.
-        nccl_bus_Bps, nvls_efficiency: where an all-gather or reduce-scatter is offered the
-            ring and NVLS, NCCL's ring bus bandwidth and ``nvlsEfficiency``: NCCL runs the one
-            its cost model prices lower (``nvls.nccl_choice``); else 0.0 (a smooth minimum).
         names, collective: static.
     """
 
@@ -156,8 +153,6 @@ class CollectivePricing:
     protocols: bool = struct.field(pytree_node=False, default=False)
     nvls_ops: float = nvls.DEFAULT_NVLS_CHANNELS * 2.0
     sendrecv_busy: jax.Array | None = None
-    nccl_bus_Bps: float = 0.0
-    nvls_efficiency: float = nvls.DEFAULT_NVLS_EFFICIENCY
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -328,7 +323,6 @@ def collective_pricing(
     transport: str = "rdma",
     protocols: bool = False,
     nvls_channels: int = nvls.DEFAULT_NVLS_CHANNELS,
-    nvls_efficiency: float = nvls.DEFAULT_NVLS_EFFICIENCY,
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
     consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
@@ -345,7 +339,6 @@ def collective_pricing(
             (``CollectivePricing.tcp``).
         protocols: offer NCCL's LL128 protocol besides Simple (``CollectivePricing.protocols``).
         nvls_channels: NCCL's NVLS channels on these GPUs (``nvls.nvls_channels(family)``).
-        nvls_efficiency: NCCL's ``nvlsEfficiency`` of these GPUs (``nvls.nvls_efficiency``).
 
     Raises:
         ValueError: an unknown collective, algorithm or transport, too few endpoints, or a
@@ -384,8 +377,6 @@ def collective_pricing(
         protocols=protocols,
         nvls_ops=float(nvls_channels * group_size),
         sendrecv_busy=busy,
-        nccl_bus_Bps=nvls.nccl_bus_Bps(full, link_classes(full), collective, pricing.names),
-        nvls_efficiency=float(nvls_efficiency),
     )
 
 
@@ -571,8 +562,6 @@ def collective_time_s(
         # over TCP, an algorithm on every NIC pays its fixed cost per call
         fill = 0.0 if name in TCP_RING_ALGORITHMS else pricing.tcp * alg.network
         times.append(t + fill * params.tcp_fill_s * _present(msg_bytes))
-    if pricing.nccl_bus_Bps:  # NCCL runs the ring or NVLS as its cost model prices them
-        times = nvls.nccl_choice(pricing, msg_bytes, times)
     best = times[0]
     if len(times) > 1:
         best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)

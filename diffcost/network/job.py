@@ -172,11 +172,7 @@ def send_pricing(topology: Topology, groups: np.ndarray) -> cost.CollectivePrici
 
 
 def job_pricings(
-    topology: Topology,
-    plan: PlanSpec,
-    requests,
-    nvls_channels: int = nvls.DEFAULT_NVLS_CHANNELS,
-    nvls_efficiency: float = nvls.DEFAULT_NVLS_EFFICIENCY,
+    topology: Topology, plan: PlanSpec, requests, nvls_channels: int = nvls.DEFAULT_NVLS_CHANNELS
 ) -> dict:
     """``GraphJob.pricings`` of a discrete plan on ``topology`` (rank ``r`` on endpoint ``r``).
 
@@ -185,7 +181,6 @@ def job_pricings(
         plan: the discrete plan (degrees and rank order).
         requests: ``(collective, dim)`` pairs to price.
         nvls_channels: NCCL's NVLS channels on the job's GPUs (``nvls.nvls_channels``).
-        nvls_efficiency: NCCL's ``nvlsEfficiency`` of the job's GPUs (``nvls.nvls_efficiency``).
 
     Raises:
         ValueError: too few endpoints, or a placement ``collectives.place_ranks`` rejects.
@@ -202,12 +197,7 @@ def job_pricings(
             continue
         placed = grouped(topology, groups.ravel())
         out[f"{collective}:{dim}"] = cost.collective_pricing(
-            placed,
-            collective,
-            size,
-            len(groups),
-            nvls_channels=nvls_channels,
-            nvls_efficiency=nvls_efficiency,
+            placed, collective, size, len(groups), nvls_channels=nvls_channels
         )
     return out
 
@@ -217,17 +207,14 @@ def make_job(
 ) -> GraphJob:
     """A ``GraphJob``: the pricings of ``plan`` on ``topology`` with its arrays (and
     ``extra``, a pytree another ``JobTimeFn`` needs); ``family``: the GPU family, whose NCCL
-    NVLS channel count sets NVLS's chunk sizes (``nvls.nvls_channels``) and whose NVLS efficiency
-    NCCL's choice of NVLS (``nvls.nvls_efficiency``; None: Hopper's)."""
+    NVLS channel count sets NVLS's chunk sizes (``nvls.nvls_channels``; None: Hopper's)."""
     requests = comm_requests(workload.layer_work(model, plan_arrays), model, plan_arrays)
     pairs = sorted({(collective, dim) for _, collective, dim, _ in requests})
     return GraphJob(
         model=model,
         plan=plan_arrays,
         cluster=cluster,
-        pricings=job_pricings(
-            topology, plan, pairs, nvls.nvls_channels(family), nvls.nvls_efficiency(family)
-        ),
+        pricings=job_pricings(topology, plan, pairs, nvls.nvls_channels(family)),
         capacity_Bps=jnp.asarray(topology.capacity_Bps),
         link_class=jnp.asarray(link_classes(topology)),
         extra=extra,

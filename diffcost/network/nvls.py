@@ -22,23 +22,6 @@ size, so NCCL's ``nHeads`` is read as the group's ranks.
 
 NCCL offers NVLS to all-gather and reduce-scatter only over at most ``NVLS_MAX_ARITY`` local ranks
 (``NCCL_MAX_NVLS_ARITY``, 32; ``updateCollCostTable`` skips it above), all-reduce over any.
-
-``ring_share`` is which of the two NCCL runs for an all-gather or reduce-scatter where both are
-offered: NCCL does not run the faster one but the one its own cost model says is faster
-(``src/graph/tuning.cc``, ``ncclTopoTuneModel``; ``src/enqueue.cc``, ``topoGetAlgoInfo``: the
-least ``latency + bytes / bandwidth``). In that model the ring (Simple protocol, within one NVLink
-domain) costs ``RING_BASE_LATENCY_S + (n - 1) * RING_STEP_LATENCY_S`` and moves the buffer at
-``B * n / (n - 1)``; NVLS costs ``NVLS_MODEL_LATENCY_S`` and moves it at ``B * e * (c - 1) / c *
-(n - 1) / n``, ``e`` NCCL's ``nvlsEfficiency`` of the GPU family (``NVLS_EFFICIENCY``), ``c`` its
-NVLS channels; ``B`` (channels times per-channel bandwidth of NCCL's topology search) is read as
-the GPU's NVLink bandwidth per direction. Over 8 or more ranks NVLS has the lower latency and the
-ring the higher bandwidth, so NCCL runs NVLS up to where the two modelled times cross and the
-ring above, whichever is faster in fact; over 2 and 4 ranks it runs the ring. The choice is a
-logistic ``CHOICE_WIDTH`` wide in the log of the ratio of the two modelled times. Chosen after
-looking at XLA's NVL72 tables it is scored on: over 16 and 32 GB200 GPUs the all-gather's and
-reduce-scatter's bus bandwidth stays at 270-450 GB/s up to 64 MiB and 256 MiB and jumps to
-530-660 (36 GPUs, where NCCL offers no NVLS, run 500-570 at those sizes); NCCL's model (900 GB/s,
-24 channels) puts the switch at 52 MiB and 157 MiB.
 """
 
 from __future__ import annotations
@@ -67,69 +50,11 @@ MIN_CHUNK_BYTES = 16 * 1024  # the smallest chunk calcCollChunking picks
 # and 64 * 128 KiB (calcCollChunking).
 CHUNK_STEPS = (2 * 32 * 1024, 8 * 64 * 1024, 64 * 128 * 1024)
 STEP_WIDTH = 0.25  # e-folds of msg / ops over which each step turns (sendrecv's width)
-# NCCL's cost model (src/graph/tuning.cc): baseLat[Ring][Simple], hwLat[NVLink][Ring][Simple],
-# hwLat[NVLink][NVLS][Simple] (NVLS's whole latency within one domain), and nvlsEfficiency by
-# GPU generation (Hopper 0.85, Blackwell 0.74; other families default to Hopper's).
-RING_BASE_LATENCY_S = 8.4e-6
-RING_STEP_LATENCY_S = 3.4e-6
-NVLS_MODEL_LATENCY_S = 25e-6
-NVLS_EFFICIENCY = {"b200": 0.74, "gb200": 0.74, "gb300": 0.74}
-DEFAULT_NVLS_EFFICIENCY = 0.85
-CHOICE_COLLECTIVES = ("all_gather", "reduce_scatter")  # ``ring_share`` prices NCCL's choice
-# e-folds of the modelled times' ratio over which NCCL's choice turns: narrow, as the choice is a
-# hard minimum and the two modelled times for large buffers differ by their bandwidths' ratio only.
-CHOICE_WIDTH = 0.02
 
 
 def nvls_channels(family: str | None) -> int:
     """NCCL's NVLS channels for GPU ``family`` (``NVLS_CHANNELS``, else 16)."""
     return NVLS_CHANNELS.get(family or "", DEFAULT_NVLS_CHANNELS)
-
-
-def nvls_efficiency(family: str | None) -> float:
-    """NCCL's ``nvlsEfficiency`` for GPU ``family`` (``NVLS_EFFICIENCY``, else Hopper's 0.85)."""
-    return NVLS_EFFICIENCY.get(family or "", DEFAULT_NVLS_EFFICIENCY)
-
-
-def ring_share(msg_bytes, group_size, bus_Bps, channels, efficiency):
-    """Weight of the ring in NCCL's choice between the ring and NVLS for an all-gather or
-    reduce-scatter of ``msg_bytes`` (the whole buffer) over ``group_size`` ranks: ~1 where
-    NCCL's cost model prices the ring lower, ~0 where it prices NVLS lower (module docstring).
-
-    Args:
-        msg_bytes: buffer size (bytes).
-        group_size: ranks ``n``.
-        bus_Bps: NCCL's ring bus bandwidth ``B`` (the GPU's NVLink bandwidth per direction).
-        channels: NCCL's NVLS channels ``c``.
-        efficiency: NCCL's ``nvlsEfficiency`` ``e``.
-    """
-    n = group_size
-    ring_latency_s = RING_BASE_LATENCY_S + (n - 1.0) * RING_STEP_LATENCY_S
-    ring = ring_latency_s + msg_bytes * (n - 1.0) / (n * bus_Bps)
-    nvls_Bps = bus_Bps * efficiency * (channels - 1.0) / channels * (n - 1.0) / n
-    switch = NVLS_MODEL_LATENCY_S + msg_bytes / nvls_Bps
-    return jax.nn.sigmoid(jnp.log(switch / ring) / CHOICE_WIDTH)
-
-
-def nccl_bus_Bps(topology, nvlink: np.ndarray, collective: str, names) -> float:
-    """NCCL's ring bus bandwidth ``B`` for ``ring_share``: the NVLink capacity (``nvlink``:
-    ``[links]`` 1.0 for an NVLink link) leaving the first endpoint's GPU, where ``collective``
-    is one of ``CHOICE_COLLECTIVES`` and ``names`` offer both the ring and NVLS; else 0.0."""
-    if collective not in CHOICE_COLLECTIVES or {"ring", "nvls"} - set(names):
-        return 0.0
-    out = (topology.src == topology.endpoints[0]) & (nvlink > 0)
-    return float(topology.capacity_Bps[out].sum())
-
-
-def nccl_choice(pricing, msg_bytes, times: list) -> list:
-    """``times`` (one per name of ``pricing.names``) with the ring's and NVLS's replaced by the
-    one NCCL runs, ``w * ring + (1 - w) * nvls`` (``w = ring_share``), first."""
-    ring, switch = pricing.names.index("ring"), pricing.names.index("nvls")
-    channels = pricing.nvls_ops / pricing.group_size
-    args = (msg_bytes, pricing.group_size, pricing.nccl_bus_Bps, channels)
-    w = ring_share(*args, pricing.nvls_efficiency)
-    chosen = w * times[ring] + (1.0 - w) * times[switch]
-    return [chosen] + [t for i, t in enumerate(times) if i not in (ring, switch)]
 
 
 def offered(collective: str, group_size: int) -> bool:
