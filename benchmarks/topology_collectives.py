@@ -10,9 +10,8 @@ on the cluster's graph (``diffcost.network.generators.from_cluster`` over the ro
 calibration places it. The graph offers NVLink SHARP (``nvls``) on clusters whose switches
 reduce (on the NVLS channels NCCL runs on the cluster's GPUs, ``nvls.nvls_channels``) and
 prices the rows of XLA's table as XLA runs them (``cost.collective_pricing(..., xla=True)``),
-with NCCL's LL128 protocol beside Simple (``protocols=True``; on GPUs whose NCCL tuning model
-is known, the ring under Simple, LL128 or LL as that model chooses, ``network.protocols``).
-The graph path's own constants, which ``comm`` and so the shipped profiles do not have
+with NCCL's LL128 protocol beside Simple (``protocols=True``). The graph path's
+own constants, which ``comm`` and so the shipped profiles do not have
 (``calibration.network_fit.GRAPH_CONSTANTS``), are fitted per GPU family, and each
 cluster's ``nvlink_eff`` and NVLS constants (``GRAPH_CLUSTER_DEVICE_CONSTANTS``) per cluster
 (and, where its tables are XLA's, its Simple curve's ``half_bw_bytes``, NVLink latency
@@ -57,7 +56,7 @@ from diffcost import comm, profiles  # noqa: E402
 from diffcost.arrays import cluster_arrays  # noqa: E402
 from diffcost.config import load_cluster  # noqa: E402
 from diffcost.gpus import gpu_family  # noqa: E402
-from diffcost.network import cost, nvls, protocols  # noqa: E402
+from diffcost.network import cost, nvls  # noqa: E402
 from diffcost.network.generators import from_cluster  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "collectives" / "collectives.csv"
@@ -89,7 +88,6 @@ def _graph_price(op, rec, cluster):
         transport=cluster.transport,
         protocols=rec.source_name == XLA_SOURCE,
         nvls_channels=nvls.nvls_channels(gpu_family(cluster.gpu.name)),
-        ll_max_Bps=protocols.ll_max_Bps(gpu_family(cluster.gpu.name)),
     )
     capacity = jnp.asarray(topology.capacity_Bps)
     one = lambda p, m: cost.collective_time_s(pricing, m, capacity, p, TEMPERATURE)  # noqa: E731

@@ -27,7 +27,7 @@ from diffcost.params import CONSTANT, Params, raw_default
 
 SWITCH_CONSTANTS = ("nvls_ratio", "nvls_latency_s")
 # NCCL's LL128 protocol beside Simple (``diffcost.network.cost``'s ``protocols``).
-PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes", "ll_bw_share")
+PROTOCOL_CONSTANTS = ("ll128_bw_share", "ll128_half_bw_bytes")
 # With LL128 beside it, the Simple protocol's small-message curve is its own: ``comm``'s fit set
 # ``half_bw_bytes`` for one curve serving every size, so a cluster priced with ``protocols``
 # refits it, the NVLink hop latency, which ``comm``'s fit set for one protocol's steps (LL128's

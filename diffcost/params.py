@@ -163,10 +163,7 @@ class Constant:
 # data bytes of every 128-byte line; the model caps it further per channel), and
 # ``ll128_half_bw_bytes`` its small-message curve, which NCCL's model does not have (LL128 needs
 # no large chunks in flight): a small round default, 128 KiB, two e-folds wide. Device
-# constants; only the graph path reads them, for a pricing built with ``protocols``. Where
-# NCCL's tuning model of the GPUs is known the ring also runs LL (``diffcost.network.protocols``):
-# ``ll_bw_share`` its bandwidth as a share of Simple's, defaulting to 0.5 (LL sends a 4-byte flag
-# with every 4 data bytes), one unit of log odds wide.
+# constants; only the graph path reads them, for a pricing built with ``protocols``.
 # A network transport over TCP (``ClusterSpec.transport: tcp``, Google's GPUDirect-TCPX/TCPXO)
 # runs NCCL in two regimes by message size (``diffcost.network.cost``, ``tcp``): a ring on
 # ``tcp_ring_share`` of the NICs' bandwidth with no fixed cost beyond its steps, and the
@@ -307,8 +304,6 @@ CONSTANTS = (
        "LL128 protocol's share of the links' bandwidth", "%", 100.0),
     _C("ll128_half_bw_bytes", "ll128_half_bw_log_bytes", "log", 2.0**17, 2.0, "device",
        "LL128 protocol's half-bandwidth message", "MiB", 2.0**-20),
-    _C("ll_bw_share", "ll_bw_share_logit", "logit", 0.5, 1.0, "device",
-       "LL protocol's share of the links' bandwidth", "%", 100.0),
     _C("tcp_ring_share", "tcp_ring_share_logit", "logit", 0.25, 1.5, "cluster",
        "ring's share of the NIC bandwidth over a TCP transport", "%", 100.0),
     _C("tcp_fill_s", "tcp_fill_log_s", "log", 500e-6, 1.5, "cluster",

@@ -38,9 +38,7 @@ the link capacities and the calibrated ``Params``) prices them:
   that runs on the GPUs (``LL128_ALGORITHMS``) is the smooth minimum of its Simple-protocol
   curve above and an LL128 curve, on ``ll128_bw_share`` of the links' capacity, with the
   small-message curve ``ll128_half_bw_bytes`` in place of ``half_bw_bytes`` and NCCL's LL128
-  per-step latency (``LL128_STEP_LATENCY_RATIO`` of Simple's); where NCCL's tuning model of
-  the GPUs is known (``ll_max_Bps``), the ring runs Simple, LL128 or LL (``ll_bw_share``) as that
-  model chooses (``diffcost.network.protocols``), not the fastest.
+  per-step latency (``LL128_STEP_LATENCY_RATIO`` of Simple's).
 
 Rings run as NCCL's channels do (``ring_channels``): behind a switch or on a full mesh the
 ``n - 1`` rotations (every pair once), on direct GPU links of one bandwidth a packing of
@@ -62,7 +60,6 @@ from flax import struct
 from diffcost import smooth
 from diffcost.network import collectives as netcoll
 from diffcost.network import nvls, sendrecv
-from diffcost.network import protocols as protocols_mod
 from diffcost.network.graph import Topology, without_transit
 from diffcost.network.routing import distances, route
 from diffcost.params import Params
@@ -86,7 +83,6 @@ TCP_RING_ALGORITHMS = ("ring",)
 # its per-step NVLink latency in that model is 1.9 us against Simple's 3.4 us (ring).
 LL128_ALGORITHMS = ("ring", "tree", "hierarchical", "torus")
 LL128_STEP_LATENCY_RATIO = 1.9 / 3.4
-LL_STEP_LATENCY_RATIO = 0.6 / 3.4  # LL's per-step NVLink latency in NCCL's model over Simple's
 MAX_CYCLE_SEARCH = 8  # groups up to this size search Hamiltonian cycle packings
 _ZERO_BYTES = 1.0
 
@@ -144,8 +140,6 @@ class CollectivePricing:
             size by message size (``nvls.chunk_efficiency``).
         sendrecv_busy: ``[J]`` the share of NCCL's p2p channels the grouped sends keep busy
             as each send takes ``2**j`` channels (``sendrecv.busy_levels``); all-to-all only.
-        ll_max_Bps, nccl_bus_Bps: with ``protocols``, NCCL's ``llMaxBw`` of the GPUs and its
-            ring bus bandwidth (the GPU's NVLink per direction); 0.0 where not known.
         names, collective: static.
     """
 
@@ -159,8 +153,6 @@ class CollectivePricing:
     protocols: bool = struct.field(pytree_node=False, default=False)
     nvls_ops: float = nvls.DEFAULT_NVLS_CHANNELS * 2.0
     sendrecv_busy: jax.Array | None = None
-    ll_max_Bps: float = 0.0
-    nccl_bus_Bps: float = 0.0
     names: tuple = struct.field(pytree_node=False, default=())
     collective: str = struct.field(pytree_node=False, default="all_reduce")
 
@@ -331,7 +323,6 @@ def collective_pricing(
     transport: str = "rdma",
     protocols: bool = False,
     nvls_channels: int = nvls.DEFAULT_NVLS_CHANNELS,
-    ll_max_Bps: float = 0.0,
 ) -> CollectivePricing:
     """Fixed-shape arrays for ``collective`` run by ``n_groups`` groups of ``group_size``
     consecutive ranks at once, rank ``r`` on endpoint ``r`` (numpy, outside jit). Endpoints
@@ -348,7 +339,6 @@ def collective_pricing(
             (``CollectivePricing.tcp``).
         protocols: offer NCCL's LL128 protocol besides Simple (``CollectivePricing.protocols``).
         nvls_channels: NCCL's NVLS channels on these GPUs (``nvls.nvls_channels(family)``).
-        ll_max_Bps: NCCL's ``llMaxBw`` of these GPUs (``protocols.ll_max_Bps(family)``).
 
     Raises:
         ValueError: an unknown collective, algorithm or transport, too few endpoints, or a
@@ -387,8 +377,6 @@ def collective_pricing(
         protocols=protocols,
         nvls_ops=float(nvls_channels * group_size),
         sendrecv_busy=busy,
-        ll_max_Bps=float(ll_max_Bps) if protocols else 0.0,
-        nccl_bus_Bps=protocols_mod.nvlink_Bps(full, link_classes(full)),
     )
 
 
@@ -566,10 +554,8 @@ def collective_time_s(
             latency = latency * (1.0 + pricing.xla * (1.0 / flight - 1.0))
         args = (alg, msg_bytes, capacity, latency, params, temperature, link_time, pipelined)
         t = _algorithm_s(*args, late)
-        if pricing.protocols and name == "ring" and pricing.ll_max_Bps:
-            t = protocols_mod.nccl_ring_s(pricing, t, args, _algorithm_s)
-        elif pricing.protocols and name in LL128_ALGORITHMS:
-            t = smooth.smin2(t, protocols_mod.ll128_s(*args, _algorithm_s), temperature)
+        if pricing.protocols and name in LL128_ALGORITHMS:
+            t = smooth.smin2(t, _ll128_s(*args), temperature)
         # an in-switch reduction skips the GPU's passes and pays the switch's setup per call
         switch_s = params.nvls_latency_s * _present(msg_bytes)
         t = t + (1.0 - alg.in_switch) * gpu_s + alg.in_switch * switch_s
@@ -580,6 +566,16 @@ def collective_time_s(
     if len(times) > 1:
         best = smooth.smooth_min(jnp.stack(times), axis=0, temperature=temperature)
     return best + params.collective_overhead_s * _present(msg_bytes)
+
+
+def _ll128_s(alg, msg_bytes, capacity, latency, params, temperature, fn, pipelined):
+    """An algorithm's time under NCCL's LL128 protocol (``_algorithm_s``'s arguments): the
+    links at ``ll128_bw_share`` of their capacity, its own small-message curve and per-step
+    latency."""
+    capacity = capacity * params.ll128_bw_share
+    latency = latency * LL128_STEP_LATENCY_RATIO
+    late = params.ll128_half_bw_bytes - params.half_bw_bytes
+    return _algorithm_s(alg, msg_bytes, capacity, latency, params, temperature, fn, pipelined, late)
 
 
 def algorithm_times_s(pricing, msg_bytes, capacity_Bps, params, temperature=0.0):
