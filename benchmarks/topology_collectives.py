@@ -24,7 +24,9 @@ of the sizes ("held-out": two folds by the parity of ``floor(log2(size))``), and
 ``--clusters a,b`` prices only those clusters' tables (the fit is per GPU family, so a
 cluster's figures equal the full run's only where its family's other clusters are named too);
 ``--cases`` also prints the held-out MAPE and mean signed error of every table (cluster,
-collective, group size, concurrent groups), which the JSON always carries under ``"cases"``.
+collective, group size, concurrent groups), which the JSON always carries under ``"cases"``;
+``--rows`` also the held-out signed error of every row (size in MiB: error %), which the JSON then
+carries in each case (``size_bytes``, ``error_pct``).
 Send/recv rows (4) and XLA permutes are not priced.
 """
 
@@ -162,11 +164,16 @@ def _heldout_s(t: PricedTable, folds: dict) -> np.ndarray:
     return times
 
 
-def _case(e: dict, held: np.ndarray) -> dict:
-    """One table's held-out MAPE and mean signed error (%, predicted over measured)."""
+def _case(e: dict, held: np.ndarray, rows: bool = False) -> dict:
+    """One table's held-out MAPE and mean signed error (%, predicted over measured); ``rows``:
+    also each row's held-out signed error, ``{"size_bytes": [...], "error_pct": [...]}``."""
     err = held / e["table"].measured_s - 1.0
     cluster, op, group, groups = e["key"][:4]
-    return {
+    per_row = {}
+    if rows:
+        errors = [round(100.0 * float(x), 1) for x in err]
+        per_row = {"size_bytes": [int(x) for x in e["table"].sizes], "error_pct": errors}
+    return per_row | {
         "cluster": cluster,
         "collective": op,
         "group_size": group,
@@ -190,12 +197,13 @@ def _cluster_extra(entries: list[dict]) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def measure(quick: bool = False, clusters=None) -> dict:
+def measure(quick: bool = False, clusters=None, rows: bool = False) -> dict:
     """``{"collectives": {cluster: {"rows", "mape_pct", "mape_pct_prior", "mape_pct_heldout",
     "mape_pct_comm"}}, "graph_constants": {cluster: {name: value}}, "cases": [...]}``: the
     graph path with its constants fitted on all rows (``mape_pct``), at their defaults and the
     profiles (``_prior``), fitted on the other size-octave parity (``_heldout``), and ``comm``;
-    ``cases`` the held-out error of each table (``_case``). ``clusters``: price only these."""
+    ``cases`` the held-out error of each table (``_case``; ``rows``: and of each of its rows).
+    ``clusters``: price only these."""
     entries = _tables(quick, clusters)
     fit = SwitchFit(
         [e["table"] for e in entries],
@@ -231,7 +239,7 @@ def measure(quick: bool = False, clusters=None) -> dict:
         | {key: round(100.0 * float(np.mean(v)), 2) for key, v in errs.items()}
         for name, errs in sorted(errors.items())
     }
-    cases = [_case(e, held) for e, held in zip(entries, heldout)]
+    cases = [_case(e, held, rows) for e, held in zip(entries, heldout)]
     return {"collectives": out, "graph_constants": fitted, "cases": cases}
 
 
@@ -240,9 +248,11 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument("--quick", action="store_true", help="every 16th vTrain size")
     parser.add_argument("--cases", action="store_true", help="print the error of every table")
+    parser.add_argument("--rows", action="store_true", help="and of every row (implies --cases)")
     parser.add_argument("--clusters", default="", help="comma-separated cluster names only")
     args = parser.parse_args(argv)
-    result = measure(args.quick, [c for c in args.clusters.split(",") if c] or None)
+    clusters = [c for c in args.clusters.split(",") if c] or None
+    result = measure(args.quick, clusters, args.rows)
     if args.json:
         print(json.dumps(result))
         return
@@ -254,13 +264,16 @@ def main(argv=None) -> None:
         )
     for cluster, values in result["graph_constants"].items():
         print(f"{cluster}: " + ", ".join(f"{k} = {v:.4g}" for k, v in values.items()))
-    if args.cases:
+    if args.cases or args.rows:
         print(f"{'cluster':22} {'collective':15} {'group':>5} {'x':>3} {'held-out':>9} {'bias':>7}")
         for c in result["cases"]:
             print(
                 f"{c['cluster']:22} {c['collective']:15} {c['group_size']:5d} "
                 f"{c['n_groups']:3d} {c['mape_pct_heldout']:9.2f} {c['bias_pct_heldout']:+7.2f}"
             )
+            if args.rows:  # held-out signed error (%) by size (MiB), ascending
+                pairs = sorted(zip(c["size_bytes"], c["error_pct"]))
+                print("    " + " ".join(f"{size / 2**20:g}:{err:+.0f}" for size, err in pairs))
 
 
 if __name__ == "__main__":
