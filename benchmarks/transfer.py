@@ -2,7 +2,7 @@
 leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
-        [--no-few-shot] [--few-shot own|descent|joint] [--suggest] [--design runs|mean]
+        [--no-few-shot] [--few-shot own|descent|joint|members] [--suggest] [--design runs|mean]
         [--unseen mixture|population|defaults]
         [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
@@ -35,7 +35,8 @@ usually from a cluster, a framework or a scale no measurement covers.
    path, kept for comparison: the end-to-end level holds the k runs alone (the kernel and
    collective tables stay) and calibrate's Adam descent runs ``FEW_SHOT_STEPS`` steps.
    ``--few-shot joint`` adds the k runs to the zero-shot training runs as one more source and
-   continues the whole fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``
+   continues the whole fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``; ``--few-shot
+   members`` refits the population's members where the zero-shot prediction is their median
    (``Transfer.refit``).
 
 ``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
@@ -216,6 +217,11 @@ class Transfer:
           tables stay), calibrate's Adam descent for ``FEW_SHOT_STEPS`` steps.
         * ``joint``: the shot runs join the zero-shot training runs as one more source, and a
           short refit (``FEW_SHOT_STEPS`` at ``FEW_SHOT_LR``) continues the whole fit.
+        * ``members`` (a study; calibrate writes one set of constants, not members): as
+          ``own``, but from the zero-shot prediction itself where it is the population's
+          median: the refit starts from each member (``member_starts``), predicts each run by
+          their mean log time and shifts every member alike; the other runs are predicted by
+          the shifted members' mean log time.
         """
         _, tables0, w0 = self.zero_shot_fits[held.tobytes()]
         picked = np.zeros_like(held)
@@ -228,17 +234,36 @@ class Transfer:
                 _, tables, w, _ = self.fit(picked, self.own_cfg, init=start)
             else:
                 noise = self.residual_sd(held)
+                if self.few_shot == "members" and self.members.get(held.tobytes()):
+                    start = self.member_starts(held, w0)
                 done = refit_mod.refit(self.P, start, shot, self.cfg.temperature, noise_sd=noise)
                 tables, w = done.tables, w0
                 self.refits.append((len(shot), done.strength))
             # clusters whose constants the zero-shot fit set still count as fitted
             w = {**w, "e2e": np.where((w0["e2e"] > 0) | picked, 1.0, 0.0)}
         rest = np.setdiff1d(np.flatnonzero(held), shot)
+        if isinstance(tables, list):  # shifted members: every cluster's row is in each
+            rows = [self.e2e[i] for i in rest]
+            every = set(self.P.families), set(self.P.clusters)
+            pred = self.predictor.mean_log(rows, self.P, [(m, None) for m in tables], *every)
+            return float(ape_pct(pred, self.log_meas[rest]).mean())
         members = None  # a cluster still without runs: as in the zero-shot prediction
         if self.unseen == "mixture":
             members = population_mixture(self.P, tables, w, self.cfg.temperature)
         pred = self.predict(rest, tables, w, members)
         return float(ape_pct(pred, self.log_meas[rest]).mean())
+
+    def member_starts(self, held: np.ndarray, w) -> list:
+        """``--few-shot members``: the zero-shot fit's members (``population_mixture``), each
+        with every cluster the fit has no runs of set to the member's constants, as
+        ``population_start`` sets them to the mean's."""
+        fams, clus = trained_keys(self.P, w)
+        n_fam, n_clu = len(self.P.families), len(self.P.clusters)
+        out = []
+        for tables, row in self.members[held.tobytes()]:
+            _, clu = map_tables(self.P, tables, fams, clus, self.P, n_fam, n_clu, row)
+            out.append((tables[0], clu))
+        return out
 
     def residual_sd(self, held: np.ndarray) -> float | None:
         """The zero-shot fit's residual spread on its own training runs, pooled over (source,
@@ -455,7 +480,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
     ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
-    ap.add_argument("--few-shot", choices=("own", "descent", "joint"), default="own",
+    ap.add_argument("--few-shot", choices=("own", "descent", "joint", "members"), default="own",
                     help="how a few-shot refit uses the other runs (Transfer.refit)")  # fmt: skip
     ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
     ap.add_argument("--groups", default="",

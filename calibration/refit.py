@@ -95,21 +95,44 @@ def add_flat(tables, delta: np.ndarray):
     return out[0], out[1]
 
 
+def members_of(tables) -> list:
+    """``tables`` as a list of members: a list of (device, cluster) tables stays (the members
+    of a population, each run's prediction their mean log time), one pair becomes one."""
+    return tables if isinstance(tables, list) else [tables]
+
+
+def _like(tables, members: list):
+    """``members`` in the form ``tables`` came in (a list, or one pair)."""
+    return members if isinstance(tables, list) else members[0]
+
+
+def _shifted(tables, delta: np.ndarray):
+    """``add_flat`` of ``delta`` to every member of ``tables``."""
+    return _like(tables, [add_flat(m, delta) for m in members_of(tables)])
+
+
 def _linearise(runs: F.Problem, tables, temperature: float):
-    """(log residuals measured - predicted ``[runs]``, design ``[runs, flat constants]``)."""
-    jd, jc = posterior.row_jacobians(runs, tables, temperature)["e2e"]
+    """(log residuals measured - predicted ``[runs]``, design ``[runs, flat constants]``); for
+    members, of their mean log time, whose design is the mean of theirs (a shift applied to
+    every member alike)."""
     d = runs.data["e2e"]
-    design = posterior.flat_design(runs, d["d"], d["c"], jd, jc)
-    return -_residuals(runs, tables, temperature), design
+    designs = []
+    for m in members_of(tables):
+        jd, jc = posterior.row_jacobians(runs, m, temperature)["e2e"]
+        designs.append(posterior.flat_design(runs, d["d"], d["c"], jd, jc))
+    return -_residuals(runs, tables, temperature), np.mean(designs, axis=0)
 
 
 def _residuals(runs: F.Problem, tables, temperature: float) -> np.ndarray:
-    """Log residuals predicted - measured of the runs, in float64."""
+    """Log residuals predicted - measured of the runs (for members, of their mean log time),
+    in float64."""
     with jax.enable_x64(True):
         data = jax.tree_util.tree_map(posterior._float64, runs.data)
-        tabs = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), tables)
-        logs = posterior.predict_log(*tabs, data, temperature)["e2e"]
-        return np.asarray(logs - data["e2e"]["log_meas"], dtype=float)
+        logs = []
+        for m in members_of(tables):
+            tabs = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), m)
+            logs.append(np.asarray(posterior.predict_log(*tabs, data, temperature)["e2e"]))
+        return np.mean(logs, axis=0) - np.asarray(data["e2e"]["log_meas"], dtype=float)
 
 
 def loo_errors(design: np.ndarray, var: np.ndarray, resid: np.ndarray, alpha: float):
@@ -158,7 +181,10 @@ def refit(
 ) -> Refit:  # fmt: skip
     """Update ``tables`` (raw device and cluster tables in ``problem``'s order, the start and
     the prior's centre) with the e2e runs ``rows`` of ``problem`` (indices; default: those of
-    positive weight), as the module docstring says.
+    positive weight), as the module docstring says. ``tables`` may be a list of members (a
+    population, ``calibration.heldout.population_mixture``): each run is then predicted by
+    their mean log time, and one update shifts every member alike (``Refit.tables`` is the
+    list of shifted members).
 
     Raises:
         ValueError: ``problem`` has no e2e run to refit with.
@@ -187,7 +213,7 @@ def _refit(problem, tables, rows, temperature, strengths, steps) -> Refit:
         proposal = var * (design.T @ np.linalg.solve(K, target))
         before = _objective(resid, delta, var, alpha)
         for _ in range(HALVINGS):
-            trial = add_flat(tables, proposal)
+            trial = _shifted(tables, proposal)
             trial_resid = -_residuals(runs, trial, temperature)
             if _objective(trial_resid, proposal, var, alpha) <= before:
                 break

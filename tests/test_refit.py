@@ -151,3 +151,27 @@ def test_calibrate_command_reports_the_few_shot_update(tmp_path, capsys):
     assert summary["written"] == [str(out)]
     assert cli.main([*argv, "--from", "none", "--steps", "20"]) == 0
     assert json.loads(capsys.readouterr().out)["few_shot"] is None
+
+
+def test_members_are_refitted_by_their_mean_log_time_and_shifted_alike():
+    """A population start (a list of members): each run's residual is that of the members'
+    mean log time, and the update is one shift of every member. Two members on either side of
+    the start (bf16 GEMM efficiency +- 0.3 in logit) fit the same runs as the start does, to the first order."""
+    problem, start, _ = _problem_with_truth()
+    shot = np.arange(3)
+    names = [e[1] for e in posterior.DEV_ENTRIES]
+    spread = np.zeros(posterior.flat_scalars(start).size)
+    spread[names.index("gemm_eff.bf16")] = 0.3
+    members = [refit_mod.add_flat(start, spread), refit_mod.add_flat(start, -spread)]
+    done = refit_mod.refit(problem, members, shot, strengths=(1e-2,))
+    assert isinstance(done.tables, list) and len(done.tables) == 2
+    shifts = [posterior.flat_scalars(t) - posterior.flat_scalars(m)
+              for t, m in zip(done.tables, members)]  # fmt: skip
+    np.testing.assert_allclose(shifts[0], shifts[1], atol=1e-6)
+    assert np.abs(shifts[0]).max() > 1e-3  # the runs did move it
+    logs = np.mean([np.asarray(_predict(m, problem)) for m in members], axis=0)
+    meas = np.asarray(problem.data["e2e"]["log_meas"])
+    np.testing.assert_allclose(done.initial_residuals, (logs - meas)[shot], rtol=1e-6)
+    one = refit_mod.refit(problem, start, shot, strengths=(1e-2,))
+    move = posterior.flat_scalars(one.tables) - posterior.flat_scalars(start)
+    np.testing.assert_allclose(shifts[0], move, atol=0.05 * np.abs(move).max())
