@@ -147,7 +147,8 @@ def _predict_batch(batch: list) -> None:
         entries.setdefault(id(b[0]), []).append(j)
     for js in entries.values():
         r, *_rest, unc, run_stack = batch[js[0]]
-        row = median_breakdown(jax.tree_util.tree_map(lambda x, js=js: x[js], out))
+        row = jax.tree_util.tree_map(lambda x, js=js: x[js], out)
+        row = median_breakdown(row) if len(js) > 1 else jax.tree_util.tree_map(lambda x: x[0], row)
         pred = float(row.iteration_s)
         r.predicted_iter_s = pred
         r.status = STATUS_NAMES[int(row.status)]
