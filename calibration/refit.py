@@ -95,7 +95,7 @@ def add_flat(tables, delta: np.ndarray):
     return out[0], out[1]
 
 
-def members_of(tables) -> list:
+def _members_of(tables) -> list:
     """``tables`` as a list of members: a list of (device, cluster) tables stays (the members
     of a population, each run's prediction their mean log time), one pair becomes one."""
     return tables if isinstance(tables, list) else [tables]
@@ -108,7 +108,7 @@ def _like(tables, members: list):
 
 def _shifted(tables, delta: np.ndarray):
     """``add_flat`` of ``delta`` to every member of ``tables``."""
-    return _like(tables, [add_flat(m, delta) for m in members_of(tables)])
+    return _like(tables, [add_flat(m, delta) for m in _members_of(tables)])
 
 
 def _linearise(runs: F.Problem, tables, temperature: float):
@@ -117,7 +117,7 @@ def _linearise(runs: F.Problem, tables, temperature: float):
     every member alike)."""
     d = runs.data["e2e"]
     designs = []
-    for m in members_of(tables):
+    for m in _members_of(tables):
         jd, jc = posterior.row_jacobians(runs, m, temperature)["e2e"]
         designs.append(posterior.flat_design(runs, d["d"], d["c"], jd, jc))
     return -_residuals(runs, tables, temperature), np.mean(designs, axis=0)
@@ -129,7 +129,7 @@ def _residuals(runs: F.Problem, tables, temperature: float) -> np.ndarray:
     with jax.enable_x64(True):
         data = jax.tree_util.tree_map(posterior._float64, runs.data)
         logs = []
-        for m in members_of(tables):
+        for m in _members_of(tables):
             tabs = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), m)
             logs.append(np.asarray(posterior.predict_log(*tabs, data, temperature)["e2e"]))
         return np.mean(logs, axis=0) - np.asarray(data["e2e"]["log_meas"], dtype=float)
