@@ -20,13 +20,7 @@ from diffcost.params import Params
 from diffcost.simulate import Breakdown
 from diffcost.specs import Experiment
 from diffcost.stacks import STACK_NAMES, canonical
-from diffcost.uncertainty import (
-    Spread,
-    Uncertainty,
-    log_time_jacobian,
-    member_log_time_jacobians,
-    spread,
-)
+from diffcost.uncertainty import Spread, Uncertainty, log_time_jacobian, spread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +103,7 @@ def predict_interval(
     seen = unc.stack_seen(stack)
     arrays = experiment_arrays(exp)
     if members:  # the population's median (diffcost.population)
-        stacked = population.stack_members(members)
-        out, jac = member_log_time_jacobians(*arrays, stacked, temperature=temperature)
-        out = population.median_breakdown(jax.tree_util.tree_map(np.asarray, out))
-        jac = population.median_jacobian(jac)
+        out, jac = population.median_log_time_jacobian(*arrays, members, temperature=temperature)
         note += f"; {population.median_note(len(members))}"
     else:
         out, jac = log_time_jacobian(*arrays, params, temperature=temperature)

@@ -25,6 +25,7 @@ import numpy as np
 from diffcost import smooth
 from diffcost.params import Params
 from diffcost.simulate import Breakdown, simulate
+from diffcost.uncertainty import member_log_time_jacobians
 
 # Per-iteration rates: value x iteration time is the same for every member (tokens, FLOPs).
 RATES = ("tokens_per_s", "mfu")
@@ -68,6 +69,18 @@ def median_breakdown(out: Breakdown) -> Breakdown:
 def median_jacobian(jac):
     """``d log T / d raw`` of the median from the members' (leading axis): their mean."""
     return np.mean(np.asarray(jac, dtype=float), axis=0)
+
+
+def median_log_time_jacobian(
+    model, plan, cluster, members: list[Params], temperature=smooth.DEFAULT_TEMPERATURE
+):  # fmt: skip
+    """(median ``Breakdown`` with numpy leaves, its ``d log T / d raw``) of one configuration
+    over ``members`` (a list of Params): ``uncertainty.log_time_jacobian``'s counterpart for
+    a cluster that takes the population."""
+    out, jac = member_log_time_jacobians(
+        model, plan, cluster, stack_members(members), temperature=temperature
+    )
+    return median_breakdown(jax.tree_util.tree_map(np.asarray, out)), median_jacobian(jac)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature",))

@@ -66,6 +66,7 @@ from diffcost.microbench import (
     target_gemms,
 )
 from diffcost.params import SCALAR_NAMES, Params
+from diffcost.population import median_log_time_jacobian
 from diffcost.simulate import STATUS_NAMES
 from diffcost.specs import Experiment, PlanSpec
 from diffcost.uncertainty import Z80, Spread, Uncertainty, log_time_jacobian, spread
@@ -408,6 +409,7 @@ def suggest(
     micro_noise_sd: float | None = None,
     temperature: float = smooth.DEFAULT_TEMPERATURE,
     others: Sequence[Experiment] = (),
+    members: Sequence[Params] = (),
 ) -> Design:
     """The ``budget`` measurements that shrink ``exp``'s predictive variance most (with
     ``others``, the mean predictive variance of ``exp`` and ``others``).
@@ -426,6 +428,10 @@ def suggest(
             collective time is from a measured one at known constants); None for ``noise_sd``.
         temperature: smoothness of the model, as in ``simulate``.
         others: more targets: other plans of ``exp``'s model on its cluster and stack.
+        members: for a cluster that takes the population, its members
+            (``diffcost.profiles.population_members``): the targets' times and Jacobians are
+            the members' median, as ``predict`` gives them (``params``, the population's mean
+            constants, still price the candidates).
 
     Returns:
         A ``Design``.
@@ -444,7 +450,12 @@ def suggest(
         if (what := mismatch(exp, t)) is not None:
             raise ValueError(f"others: a target's {what} differs from exp's; " + ONE_DESIGN)
     seen = unc.stack_seen(exp.stack) if stack_seen is None else stack_seen
-    priced = [log_time_jacobian(*experiment_arrays(t), params, temperature) for t in targets]
+    priced = [
+        median_log_time_jacobian(*experiment_arrays(t), list(members), temperature)
+        if members
+        else log_time_jacobian(*experiment_arrays(t), params, temperature)
+        for t in targets
+    ]
     target_js = np.stack([np.asarray(j, dtype=float) for _, j in priced])
     spreads = tuple(spread(j, unc, seen) for j in target_js)
     now = spreads[0]

@@ -213,19 +213,26 @@ def test_validate_takes_the_members_median_for_a_cluster_without_profile(tmp_pat
     assert all(r["predicted_iter_s_low"] < r["predicted_iter_s"] for r in out["rows"])
 
 
+def _host_dispatch_population(monkeypatch, tmp_path):
+    """(members, experiment, the population's mean Params, an Uncertainty of host dispatch
+    alone, variance 1 in log): two members whose host dispatch is far apart, on a cluster
+    without a profile of its own."""
+    members = {"a": {"host_op_s": 1e-6}, "b": {"host_op_s": 3e-3}}
+    _population_with_members(monkeypatch, tmp_path, members)
+    exp = api.load("configs/examples/gpt-1b-vtrain.yaml", ["cluster=selene-a100-80g"])
+    k = SCALAR_NAMES.index("host_op_s")
+    cov = np.zeros((len(SCALAR_NAMES), len(SCALAR_NAMES)))
+    cov[k, k] = 1.0
+    return members, exp, api.params_for(exp)[0], Uncertainty(cov=cov)
+
+
 def test_the_median_s_interval_propagates_the_members_mean_jacobian(tmp_path, monkeypatch):
     """The posterior part of the interval of a population median is ``|dlog T / d raw|`` of
     the median itself: shifting a constant of every member alike moves the mean log time by
     the members' mean Jacobian, not by the Jacobian at the mean constants (host dispatch far
     apart in the two members makes the two differ)."""
-    members = {"a": {"host_op_s": 1e-6}, "b": {"host_op_s": 3e-3}}
-    _population_with_members(monkeypatch, tmp_path, members)
-    exp = api.load("configs/examples/gpt-1b-vtrain.yaml", ["cluster=selene-a100-80g"])
-    params, _ = api.params_for(exp)
-    k = SCALAR_NAMES.index("host_op_s")
-    cov = np.zeros((len(SCALAR_NAMES), len(SCALAR_NAMES)))
-    cov[k, k] = 1.0
-    pred = predict_interval(exp, uncertainty=Uncertainty(cov=cov))
+    members, exp, params, unc = _host_dispatch_population(monkeypatch, tmp_path)
+    pred = predict_interval(exp, uncertainty=unc)
     eps = 1e-2
 
     def median_log(shift: float) -> float:
@@ -236,5 +243,20 @@ def test_the_median_s_interval_propagates_the_members_mean_jacobian(tmp_path, mo
 
     slope = (median_log(eps) - median_log(-eps)) / (2 * eps)
     assert pred.spread.posterior_sd == pytest.approx(abs(slope), rel=0.02)
-    at_mean = predict_interval(exp, params=params, uncertainty=Uncertainty(cov=cov))
+    at_mean = predict_interval(exp, params=params, uncertainty=unc)
     assert abs(at_mean.spread.posterior_sd - abs(slope)) > 0.05 * abs(slope)
+
+
+def test_suggest_prices_its_target_as_predict_does(tmp_path, monkeypatch):
+    """On a cluster without a profile ``suggest``'s target time and interval are
+    ``predict_interval``'s: the members' median and its Jacobian, not the mean constants'."""
+    from diffcost.suggest import suggest
+
+    _, exp, params, unc = _host_dispatch_population(monkeypatch, tmp_path)
+    pred = predict_interval(exp, uncertainty=unc)
+    each = prof.population_members(exp.cluster, stack=exp.stack)
+    design = suggest(exp, params, unc, budget=1, microbenchmarks=False, members=each)
+    assert design.iteration_s == pytest.approx(pred.iteration_s, rel=1e-6)
+    assert design.spread.posterior_sd == pytest.approx(pred.spread.posterior_sd, rel=1e-5)
+    at_mean = suggest(exp, params, unc, budget=1, microbenchmarks=False)
+    assert at_mean.iteration_s < pred.iteration_s / 1.01

@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     seen = unc.stack_seen(stack)
     kw = {"noise_sd": args.noise_sd, "micro_noise_sd": args.micro_noise_sd, "stack_seen": seen}
     kw["others"] = exps[1:]
+    kw["members"] = profiles.population_members(exp.cluster, args.profile, stack=exp.stack)
     design = suggest(exp, params, unc, args.budget, microbenchmarks=not args.runs_only, **kw)
     d = design_dict(design, configs, overrides)
     d["noise_sd"] = unc.residual_sd if args.noise_sd is None else args.noise_sd
