@@ -246,11 +246,11 @@ class Transfer:
             rows = [self.e2e[i] for i in rest]
             every = set(self.P.families), set(self.P.clusters)
             pred = self.predictor.mean_log(rows, self.P, [(m, None) for m in tables], *every)
-            return float(ape_pct(pred, self.log_meas[rest]).mean())
-        members = None  # a cluster still without runs: as in the zero-shot prediction
-        if self.unseen == "mixture":
-            members = population_mixture(self.P, tables, w, self.cfg.temperature)
-        pred = self.predict(rest, tables, w, members)
+        else:
+            members = None  # a cluster still without runs: as in the zero-shot prediction
+            if self.unseen == "mixture":
+                members = population_mixture(self.P, tables, w, self.cfg.temperature)
+            pred = self.predict(rest, tables, w, members)
         return float(ape_pct(pred, self.log_meas[rest]).mean())
 
     def member_starts(self, held: np.ndarray, w) -> list:

@@ -65,7 +65,6 @@ from network_pricing import (  # noqa: E402
 )
 
 from calibration.heldout import trained_keys  # noqa: E402
-from diffcost.gpus import preset_family  # noqa: E402
 
 
 def group_result(t: T.Transfer, pricer: GraphPricer, kind: str, name: str, held) -> dict:
@@ -99,12 +98,11 @@ def group_result(t: T.Transfer, pricer: GraphPricer, kind: str, name: str, held)
 
 def unseen_rows(t: T.Transfer, idx, w) -> np.ndarray:
     """Per row of ``idx``: whether its cluster or its GPU family has no end-to-end training
-    run in the fold (``w``), i.e. takes the population's members."""
+    run in the fold (``w``), i.e. takes the population's members (the family and cluster
+    indices ``heldout.population_mixture`` reads)."""
     runs = np.asarray(w["e2e"]) > 0
-    clusters = set(t.cluster[runs])
-    families = {preset_family(c) for c in clusters}
-    return np.array([t.cluster[i] not in clusters or preset_family(t.cluster[i]) not in families
-                     for i in idx])  # fmt: skip
+    d, c = (np.asarray(t.P.data["e2e"][k]) for k in ("d", "c"))
+    return ~np.isin(c[idx], c[runs]) | ~np.isin(d[idx], d[runs])
 
 
 def csv_rows(groups: list) -> list[dict]:
