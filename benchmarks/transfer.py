@@ -2,7 +2,7 @@
 leave one cluster out, and few-shot refits.
 
     python benchmarks/transfer.py [--json] [--quick] [--sources-only] [--groups A,B]
-        [--no-few-shot] [--few-shot own|descent|joint|members] [--suggest] [--design runs|mean]
+        [--no-few-shot] [--few-shot own|mean|descent|joint] [--suggest] [--design runs|mean]
         [--unseen mixture|population|defaults]
         [--device-layer-grid] [--no-stacks] [--no-family-parents] [--fits DIR]
 
@@ -30,13 +30,14 @@ usually from a cluster, a framework or a scale no measurement covers.
    runs are predicted; per k the mean and the worst draw's MAPE. ``--few-shot own`` (the
    default) is ``diffcost calibrate``'s path for a handful of runs (``calibration.refit``):
    a maximum a posteriori update of the zero-shot fit's scalar constants by the k runs, the
-   zero-shot fit the prior's centre, its strength chosen by leave-one-out over the k runs
-   (the held-out source's other runs are never used). ``--few-shot descent`` is the earlier
-   path, kept for comparison: the end-to-end level holds the k runs alone (the kernel and
-   collective tables stay) and calibrate's Adam descent runs ``FEW_SHOT_STEPS`` steps.
-   ``--few-shot joint`` adds the k runs to the zero-shot training runs as one more source and
-   continues the whole fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``; ``--few-shot
-   members`` refits the population's members where the zero-shot prediction is their median
+   zero-shot prediction the prior's centre (where it is the population's median, every member
+   shifted alike), its strength chosen by leave-one-out over the k runs (the held-out
+   source's other runs are never used). ``--few-shot mean`` starts from the population's mean
+   constants instead (calibrate's path before it kept the members). ``--few-shot descent`` is
+   the earlier path, kept for comparison: the end-to-end level holds the k runs alone (the
+   kernel and collective tables stay) and calibrate's Adam descent runs ``FEW_SHOT_STEPS``
+   steps. ``--few-shot joint`` adds the k runs to the zero-shot training runs as one more
+   source and continues the whole fit for ``FEW_SHOT_STEPS`` steps at ``FEW_SHOT_LR``
    (``Transfer.refit``).
 
 ``--suggest`` replaces 2. by ``suggested_vs_random``: 3 runs of each source picked by
@@ -212,16 +213,17 @@ class Transfer:
         ``shot``):
 
         * ``own`` (default): ``diffcost calibrate``'s path for a handful of runs,
-          ``calibration.refit.refit`` of the shot runs from the zero-shot fit.
+          ``calibration.refit.refit`` of the shot runs from the zero-shot prediction itself:
+          where that is the population's median (``--unseen mixture``), the refit starts from
+          each member (``member_starts``, as ``calibration.command.member_starts``), predicts
+          each run by their mean log time and shifts every member alike, and the other runs
+          are predicted by the shifted members' mean log time.
+        * ``mean``: calibrate's path before it kept the members: the refit starts from the
+          population's mean constants (a plug-in, faster than the median it replaces).
         * ``descent``: the end-to-end level holds the shot runs alone (the collective and GEMM
           tables stay), calibrate's Adam descent for ``FEW_SHOT_STEPS`` steps.
         * ``joint``: the shot runs join the zero-shot training runs as one more source, and a
           short refit (``FEW_SHOT_STEPS`` at ``FEW_SHOT_LR``) continues the whole fit.
-        * ``members`` (a study; calibrate writes one set of constants, not members): as
-          ``own``, but from the zero-shot prediction itself where it is the population's
-          median: the refit starts from each member (``member_starts``), predicts each run by
-          their mean log time and shifts every member alike; the other runs are predicted by
-          the shifted members' mean log time.
         """
         _, tables0, w0 = self.zero_shot_fits[held.tobytes()]
         picked = np.zeros_like(held)
@@ -234,7 +236,7 @@ class Transfer:
                 _, tables, w, _ = self.fit(picked, self.own_cfg, init=start)
             else:
                 noise = self.residual_sd(held)
-                if self.few_shot == "members" and self.members.get(held.tobytes()):
+                if self.few_shot == "own" and self.members.get(held.tobytes()):
                     start = self.member_starts(held, w0)
                 done = refit_mod.refit(self.P, start, shot, self.cfg.temperature, noise_sd=noise)
                 tables, w = done.tables, w0
@@ -254,7 +256,7 @@ class Transfer:
         return float(ape_pct(pred, self.log_meas[rest]).mean())
 
     def member_starts(self, held: np.ndarray, w) -> list:
-        """``--few-shot members``: the zero-shot fit's members (``population_mixture``), each
+        """``--few-shot own``: the zero-shot fit's members (``population_mixture``), each
         with every cluster the fit has no runs of set to the member's constants, as
         ``population_start`` sets them to the mean's."""
         fams, clus = trained_keys(self.P, w)
@@ -480,7 +482,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--quick", action="store_true", help="smoke run (see the module docstring)")
     ap.add_argument("--no-few-shot", action="store_true", help="zero-shot groups only")
-    ap.add_argument("--few-shot", choices=("own", "descent", "joint", "members"), default="own",
+    ap.add_argument("--few-shot", choices=("own", "mean", "descent", "joint"), default="own",
                     help="how a few-shot refit uses the other runs (Transfer.refit)")  # fmt: skip
     ap.add_argument("--sources-only", action="store_true", help="leave out the cluster groups")
     ap.add_argument("--groups", default="",

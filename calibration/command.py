@@ -268,11 +268,74 @@ def _measurements(args) -> tuple[Measurements, Measurements]:
     return everything, meas
 
 
+def runs_stacks(meas: Measurements) -> dict[str, str | None]:
+    """{cluster: the software stack of all its end-to-end runs} (None: runs of several
+    stacks, or of a stack ``diffcost.stacks`` does not know): the stack whose shipped offsets
+    a calibration of that cluster starts from (a cluster without runs: none)."""
+    seen: dict[str, set] = {}
+    for r in meas.e2e:
+        seen.setdefault(r.cluster.name, set()).add(r.stack)
+    return {c: next(iter(s)) if len(s) == 1 else None for c, s in seen.items()}
+
+
+def member_starts(
+    clusters: list[str], start: dict, profile, stacks: dict | None = None
+) -> tuple[list[str], list[dict]]:
+    """(member names, one start per member) where a calibrated cluster predicts as the median
+    over the population's members (``diffcost.profiles.population_members``: no profile of its
+    own and ``profile`` None, each member with the offsets of the cluster's ``stacks``):
+    member ``i`` starts each such cluster at the population's member ``i`` and every other
+    cluster at ``start``. ([], []) when no cluster does."""
+    names, by_cluster, stacks = [], {}, stacks or {}
+    for name in clusters:
+        cluster = load_cluster(name)
+        members = prof.population_members(cluster, profile, stack=stacks.get(name))
+        if members:
+            names, by_cluster[name] = prof.population_member_names(cluster, profile), members
+    starts = [
+        {c: by_cluster[c][i] if c in by_cluster else p for c, p in start.items()}
+        for i in range(len(names))
+    ]
+    return names, starts
+
+
+def member_values(
+    problem: fit_mod.Problem, few: refit.Refit | None, names: list[str]
+) -> dict[str, dict]:
+    """{cluster: {member: constants in profile form}} of the members a few-shot refit shifted
+    (``refit.fit_with_runs`` with ``member_starts``); {} when it refitted one set of
+    constants."""
+    if few is None or not isinstance(few.tables, list):
+        return {}
+    mean = fit_mod.result_from_tables(problem, refit.mean_tables(few.tables), {}, {}, [], 0, True)
+    out: dict[str, dict] = {name: {} for name in problem.clusters}
+    for member, tables in zip(names, few.tables):
+        one = fit_mod.result_from_tables(problem, tables, {}, {}, [], 0.0, True)
+        for name in problem.clusters:
+            base, values = fitted_values(mean, name), fitted_values(one, name)
+            out[name][member] = {k: v for k, v in values.items() if not _same(v, base.get(k))}
+    return out
+
+
+def _same(a, b) -> bool:
+    """Whether two profile values (numbers, or nested mappings and lists of them) agree to
+    float32 rounding: a member keeps only the constants where it differs from the mean."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(np.allclose(np.asarray(a, float), np.asarray(b, float), rtol=1e-5, atol=0))
+    except (TypeError, ValueError):
+        return a == b
+
+
 def _write_profiles(
-    args, paths: dict, result: fit_mod.FitResult, start_notes: dict, blocks: dict
-) -> list:
-    """Write one profile per calibrated cluster with fitted constants and its ``uncertainty``
-    block (``blocks``, ``calibration.posterior.laplace``); the paths written."""
+    args, paths: dict, result: fit_mod.FitResult, start_notes: dict, blocks: dict,
+    members: dict | None = None,
+) -> list:  # fmt: skip
+    """Write one profile per calibrated cluster with fitted constants, its ``members``
+    (``member_values``) and its ``uncertainty`` block (``blocks``,
+    ``calibration.posterior.laplace``); the paths written."""
+    members = members or {}
     written = []
     for name, path in paths.items():
         if name not in result.cluster_values:
@@ -286,7 +349,8 @@ def _write_profiles(
             "command": "diffcost calibrate",
         }
         block = blocks.get(("cluster", name))
-        written.append(prof.write_profile(path, fitted_values(result, name), meta, block))
+        values = fitted_values(result, name)
+        written.append(prof.write_profile(path, values, meta, block, members.get(name)))
     return written
 
 
@@ -332,10 +396,11 @@ def few_shot_summary(few: refit.Refit | None) -> dict | None:
     return {
         "runs": int(few.residuals.size),
         "strength": few.strength,
-        "loo_rms_log_error": {
-            ("none" if a == np.inf else f"{a:.3g}"): float(np.sqrt(v))
+        "loo_mean_abs_log_error": {
+            ("none" if a == np.inf else f"{a:.3g}"): float(v) ** (1.0 / refit.LOO_POWER)
             for a, v in few.loo_mse.items()
         },
+        "members": len(few.tables) if isinstance(few.tables, list) else 0,
     }
 
 
@@ -382,6 +447,11 @@ def _print_report(args, summary: dict, everything: Measurements, cfg: fit_mod.Fi
             f"{few['runs']} end-to-end runs (fewer than {cfg.full_rows}): a few-shot update of "
             f"the starting constants (calibration.refit), {how}"
         )
+        if few["members"]:
+            console.print(
+                f"the profile keeps the population's {few['members']} members, each shifted "
+                "alike: predictions with it are the median over them, as without a profile"
+            )
     for name, rows_moved in summary["moved"].items():
         if not rows_moved:
             console.print(f"{name}: no constant moved")
@@ -419,19 +489,24 @@ def run(args) -> int:
     paths = output_paths(args.cluster, args.out)
     everything, meas = _measurements(args)
     problem = fit_mod.build_problem(meas)
+    # A user's runs are one stack on their own cluster: its constants take the stack's effect
+    # (the profile written has no stack offsets to apply), starting from its shipped offsets.
+    stacks = runs_stacks(meas)
     start, start_notes = {}, {}
     for name in problem.clusters:
-        start[name], start_notes[name] = prof.params_for(load_cluster(name), args.start)
-    # A user's runs are one stack on their own cluster: its constants take the stack's effect
-    # (the profile written has no stack offsets to apply).
+        cluster = load_cluster(name)
+        stack = stacks.get(name)
+        start[name], start_notes[name] = prof.params_for(cluster, args.start, stack=stack)
     cfg = fit_mod.FitConfig(steps=args.steps, stacks=False)
     # the starting profiles' residual spread: a few-shot refit matches runs no closer
     noise = max(
         prof.uncertainty_for(load_cluster(c), args.start).residual_sd for c in problem.clusters
     )
-    result, few = refit.fit_with_runs(meas, cfg, not args.json, problem, start, noise)
+    names, starts = member_starts(problem.clusters, start, args.start, stacks)
+    result, few = refit.fit_with_runs(meas, cfg, not args.json, problem, start, noise, starts)
     blocks, _ = posterior.laplace(problem, result, meas, cfg, start)
-    written = _write_profiles(args, paths, result, start_notes, blocks)
+    members = member_values(problem, few, names)
+    written = _write_profiles(args, paths, result, start_notes, blocks, members)
     summary = _summary(args, meas, result, start, start_notes, written)
     summary["few_shot"] = few_shot_summary(few)
     if args.json:

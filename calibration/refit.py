@@ -55,9 +55,10 @@ HALVINGS = 6  # step halvings before a Gauss-Newton step is given up
 
 @dataclasses.dataclass
 class Refit:
-    """What ``refit`` did: the tables after it, the strength leave-one-out chose (None: no
-    update), the leave-one-out mean squared log error of every candidate (``inf``: no
-    update), and the runs' log residuals (predicted - measured) before and after."""
+    """What ``refit`` did: the tables after it (a list for members), the strength
+    leave-one-out chose (None: no update), the leave-one-out score of every candidate (mean
+    ``|log error|^LOO_POWER``; ``inf``: no update), and the runs' log residuals (predicted -
+    measured) before and after."""
 
     tables: tuple
     strength: float | None
@@ -226,7 +227,7 @@ def _refit(problem, tables, rows, temperature, strengths, steps) -> Refit:
 
 def fit_with_runs(
     meas, cfg: F.FitConfig, progress: bool, problem: F.Problem, start: dict | None = None,
-    noise_sd: float | None = None,
+    noise_sd: float | None = None, member_starts: list[dict] | None = None,
 ) -> tuple[F.FitResult, Refit | None]:  # fmt: skip
     """``diffcost calibrate``'s fit, and the ``Refit`` when there was one. With fewer than
     ``cfg.full_rows`` end-to-end runs (a level that would weigh less than in full against the
@@ -236,23 +237,47 @@ def fit_with_runs(
     ``refit`` (``noise_sd``: ``strengths_for``). Otherwise (datasheet defaults, which no fit
     made, or 100 runs and more, or none) ``F.fit`` on everything: on random vTrain subsets
     (``benchmarks/small_data.py``) the refit beat the descent from the shipped profile and lost
-    to it from the datasheet defaults."""
+    to it from the datasheet defaults.
+
+    ``member_starts`` (one ``start`` per member of the population, ``start`` their mean) makes
+    the update that of the members (``refit`` of a list): the other levels' fit moves every
+    member as it moves the mean, the runs are predicted by the members' mean log time, and
+    ``Refit.tables`` is the list of shifted members; the ``FitResult`` holds their mean raw
+    constants and the median's residuals. Without the few-shot update the members are unused.
+    """
     runs = problem.counts.get("e2e", 0)
     if not noise_sd or not 0 < runs < cfg.full_rows:
         return F.fit(meas, cfg, progress, problem, start), None
     others = {k: v for k, v in problem.data.items() if k != "e2e"}
     losses, seconds, converged = [], 0.0, True
-    tables = F.initial_tables(problem, start=start)
+    initial = F.initial_tables(problem, start=start)
+    tables = initial
     if others:
         counts = {k: problem.counts[k] for k in others}
         kernels = F.Problem(problem.families, problem.clusters, others, counts)
         first = F.fit(meas, cfg, progress, kernels, start)
         tables, losses = first.tables, first.losses
         seconds, converged = first.seconds, first.converged
+    if member_starts:
+        moved = jax.tree_util.tree_map(jnp.subtract, tables, initial)
+        starts = [F.initial_tables(problem, start=m) for m in member_starts]
+        initial = starts
+        tables = [jax.tree_util.tree_map(jnp.add, m, moved) for m in starts]
     done = refit(problem, tables, temperature=cfg.temperature, noise_sd=noise_sd)
-    logs = posterior.predict_log(*done.tables, problem.data, cfg.temperature)
-    initial = posterior.predict_log(
-        *F.initial_tables(problem, start=start), problem.data, cfg.temperature
-    )
-    result = F.result_from_tables(problem, done.tables, logs, initial, losses, seconds, converged)
+    result = F.result_from_tables(
+        problem, mean_tables(done.tables), _log_predictions(problem, done.tables, cfg),
+        _log_predictions(problem, initial, cfg), losses, seconds, converged,
+    )  # fmt: skip
     return result, done
+
+
+def mean_tables(tables):
+    """The raw tables themselves, or for members their mean raw constants."""
+    members = _members_of(tables)
+    return jax.tree_util.tree_map(lambda *xs: jnp.mean(jnp.stack(xs), 0), *members)
+
+
+def _log_predictions(problem: F.Problem, tables, cfg: F.FitConfig) -> dict:
+    """Log predictions of every level of ``problem`` (for members, their mean log time)."""
+    logs = [posterior.predict_log(*m, problem.data, cfg.temperature) for m in _members_of(tables)]
+    return jax.tree_util.tree_map(lambda *xs: jnp.mean(jnp.stack(xs), 0), *logs)

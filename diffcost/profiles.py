@@ -376,21 +376,34 @@ def population_members(
     ``params_for`` layers the population's mean: device file, the member's constants, the
     offsets of ``stack``. A prediction for a cluster without a profile of its own is the
     mean of the members' log times (``diffcost.population``), not the time at the mean
-    constants, which is faster (time is convex in them).
+    constants, which is faster (time is convex in them). A profile file that lists
+    ``members`` (``diffcost calibrate``'s few-shot refit of a cluster without a profile of
+    its own shifts every member of the population alike) gives its members, each applied
+    over the file's mean constants as ``params_for`` applies them (no stack offsets: the
+    file holds its runs' stack).
 
     Returns:
         [] unless the default layering (``profile`` None) uses the population file and the
-        file lists members (one written before them holds the mean alone: its plug-in).
+        file lists members (one written before them holds the mean alone: its plug-in), or
+        ``profile`` is a file that lists members.
 
     Raises:
-        ProfileError: ``members`` is not a mapping of cluster names to constants.
+        ProfileError: ``members`` is not a mapping of cluster names to constants, or the
+            profile file cannot be used for ``cluster`` (``params_for``).
     """
     members = _member_constants(cluster, profile)
     if not members:
         return []
-    path = population_path()
     family = gpu_family(cluster.gpu.name)
-    params, dev = default_params(dtype, family), device_profile(family)
+    params = default_params(dtype, family)
+    if profile is not None:
+        path = Path(profile)
+        mean, _ = _explicit(cluster, family, path, params)
+        return [
+            apply_values(mean, values, f"{path}: members.{name}")
+            for name, values in members.items()
+        ]
+    path, dev = population_path(), device_profile(family)
     if dev.exists():
         params = apply_values(params, _read(dev)["constants"], str(dev))
     offsets, _ = stack_offsets(stack)
@@ -405,22 +418,41 @@ def population_size(cluster: ClusterSpec, profile: str | os.PathLike | None = No
     return len(_member_constants(cluster, profile))
 
 
+def population_member_names(
+    cluster: ClusterSpec, profile: str | os.PathLike | None = None
+) -> list[str]:
+    """The names of the members ``population_members`` gives, in its order."""
+    return list(_member_constants(cluster, profile))
+
+
 def _member_constants(cluster: ClusterSpec, profile) -> dict:
-    """The population file's ``members`` (cluster name -> constants) where ``cluster`` takes
-    them (the default layering without a profile of its own), else {}."""
-    path = population_path()
-    if profile is not None or cluster_path(cluster.name).exists() or not path.exists():
-        return {}
+    """The ``members`` (cluster name -> constants) a prediction on ``cluster`` takes: those of
+    the population file under the default layering for a cluster without a profile of its
+    own, or those of the profile file given; else {}."""
+    if profile is not None:
+        path = Path(profile)
+        if str(profile) == "none" or not path.is_file():
+            return {}  # params_for says what is wrong with a path that is not a file
+    else:
+        path = population_path()
+        if cluster_path(cluster.name).exists() or not path.exists():
+            return {}
     members = _read(path).get("members") or {}
     if not isinstance(members, dict) or not all(isinstance(v, dict) for v in members.values()):
         raise ProfileError(f"{path}: members: expected a mapping of clusters to constants")
     return members
 
 
-def write_profile(path: Path, values: dict, meta: dict, uncertainty: dict | None = None) -> Path:
-    """Write constrained ``values`` with provenance ``meta`` as a profile file, and its
-    ``uncertainty`` block (``diffcost.uncertainty.to_block``) when given."""
+def write_profile(
+    path: Path, values: dict, meta: dict, uncertainty: dict | None = None,
+    members: dict | None = None,
+) -> Path:  # fmt: skip
+    """Write constrained ``values`` with provenance ``meta`` as a profile file, its
+    ``members`` ({name: constrained values}, ``population_members``) and its ``uncertainty``
+    block (``diffcost.uncertainty.to_block``) when given."""
     doc = {**meta, "written": datetime.date.today().isoformat(), "constants": values}
+    if members:
+        doc["members"] = members
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fh.write(f"# diffcost calibrated profile: {meta.get('layer', '')} {meta.get('key', '')}\n")

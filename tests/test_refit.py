@@ -145,7 +145,7 @@ def test_calibrate_command_reports_the_few_shot_update(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     few = summary["few_shot"]
     assert few["runs"] == summary["rows"]["e2e"]["rows"] == 12
-    assert "none" in few["loo_rms_log_error"]
+    assert "none" in few["loo_mean_abs_log_error"]
     e2e = summary["rows"]["e2e"]
     assert e2e["mape_after_pct"] <= e2e["mape_before_pct"] + 1e-6
     assert summary["written"] == [str(out)]
@@ -175,3 +175,74 @@ def test_members_are_refitted_by_their_mean_log_time_and_shifted_alike():
     one = refit_mod.refit(problem, start, shot, strengths=(1e-2,))
     move = posterior.flat_scalars(one.tables) - posterior.flat_scalars(start)
     np.testing.assert_allclose(shifts[0], move, atol=0.05 * np.abs(move).max())
+
+
+def _runs_on(tmp_path, cluster: str, n: int):
+    """The first ``n`` runs of the shared e2e sample, moved to ``cluster``."""
+    import csv
+    from pathlib import Path
+
+    sample = Path(__file__).parent / "data" / "e2e_sample.csv"
+    with open(sample, newline="") as fh:
+        rows = list(csv.DictReader(fh))[:n]
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**r, "cluster": cluster} for r in rows)
+    return path
+
+
+def test_calibrate_keeps_the_members_of_a_cluster_without_a_profile(tmp_path, capsys):
+    """A handful of runs of a cluster without a profile of its own (selene-a100-80g, predicted
+    as the median over the population's members): calibrate shifts every member alike and the
+    profile keeps them, so predictions with it are that median, as before calibrating; the
+    'before' column is the zero-shot median and validate reproduces the 'after' column."""
+    import json
+
+    from diffcost import api, cli
+    from diffcost.validate import validate
+
+    cluster = load_cluster("selene-a100-80g")
+    n_members = prof.population_size(cluster)
+    assert n_members > 1  # the shipped population lists members
+    runs, out = _runs_on(tmp_path, cluster.name, 5), tmp_path / "selene.yaml"
+    argv = ["calibrate", "--cluster", cluster.name, str(runs), "--out", str(out), "--json"]
+    assert cli.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["few_shot"]["members"] == n_members
+    members = prof.population_members(cluster, out)
+    assert len(members) == n_members == prof.population_size(cluster, out)
+    assert prof.population_member_names(cluster, out) == prof.population_member_names(cluster)
+    e2e = summary["rows"]["e2e"]
+    zero_shot = validate(str(runs))["summary"]["mape_pct"]
+    assert e2e["mape_before_pct"] == pytest.approx(zero_shot, rel=1e-4)
+    with_profile = validate(str(runs), profile=str(out))
+    assert with_profile["summary"]["mape_pct"] == pytest.approx(e2e["mape_after_pct"], rel=1e-3)
+    assert e2e["mape_after_pct"] < e2e["mape_before_pct"]
+    exp = api.load("configs/examples/gpt3-175b.yaml")
+    times = [float(api.predict(exp, params=p).iteration_s) for p in members]
+    assert np.ptp(np.log(times)) > 1e-3  # the members still differ
+    median = float(np.exp(np.mean(np.log(times))))
+    assert float(api.predict(exp, profile=str(out)).iteration_s) == pytest.approx(median, 1e-5)
+
+
+def test_a_profile_of_a_cluster_with_its_own_keeps_no_members(tmp_path, capsys):
+    """vtrain-a100 has a shipped profile: calibrate refits one set of constants, as before."""
+    from diffcost import cli
+
+    runs, out = _runs_on(tmp_path, CLUSTER, 5), tmp_path / "vt.yaml"
+    argv = ["calibrate", "--cluster", CLUSTER, str(runs), "--out", str(out), "--json"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert prof.population_members(load_cluster(CLUSTER), out) == []
+
+
+def test_malformed_members_of_a_profile_file_are_named(tmp_path):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    doc = {"layer": "cluster+device", "key": "selene-a100-80g", "constants": {}, "members": [1]}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(prof.ProfileError, match=r"bad.yaml: members: expected a mapping"):
+        prof.population_members(load_cluster("selene-a100-80g"), path)
