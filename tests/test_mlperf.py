@@ -244,6 +244,28 @@ def test_the_fit_recovers_offsets_that_generated_the_times():
     np.testing.assert_array_equal(fit.fit_offsets(rows, np.zeros(4), settings, step), 0.0)
 
 
+def test_a_family_step_compute_offset_moves_its_family_past_the_efficiency_cap():
+    """The per-family ``step_compute`` offset speeds its own family's rows only, and further
+    than any GEMM-efficiency offset can (an efficiency is at most 1 of ``step_compute`` times
+    the peak)."""
+    presets = ("dgx-h100", "pcie-l40s")
+    records = [
+        E2ERecord(GPT, PLANS["dp8"], config.load_cluster(c), 1.0, "synthetic", i, (), None)
+        for i, c in enumerate(presets)
+    ]
+    rows = fit.Rows.of(records)
+    n, h100 = len(fit.LEAVES), rows.families.index("h100")
+    assert [e.leaf for e in fit.FAMILY_EFFECTS] == ["gemm_eff_logit", "step_compute_log"]
+    capped, lifted = np.zeros(rows.n_offsets), np.zeros(rows.n_offsets)
+    capped[n + h100] = 20.0  # GEMM efficiency 1
+    lifted[n + len(rows.families) + h100] = np.log(2.0)
+    base, capped, lifted = (
+        np.asarray(_predict_log(rows, r)) for r in (np.zeros_like(capped), capped, lifted)
+    )
+    assert lifted[0] < capped[0] < base[0]
+    assert lifted[1] == base[1] and capped[1] == base[1]
+
+
 def test_graph_rows_price_each_row_as_its_data_parallel_step():
     """``GraphRows`` at zero offsets is ``data_parallel_step_s`` of each row on its shipped
     profile; the fit's offsets move it (a faster memory-bound pass shortens every row)."""
