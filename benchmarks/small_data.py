@@ -3,15 +3,15 @@
     python benchmarks/small_data.py [--json] [--sizes 5 30 200] [--draws 3] [--seed 0]
 
 Draws random subsets of the vTrain single-node runs (``--draws`` per size), calibrates
-``vtrain-a100`` on each as ``diffcost calibrate`` does (from the shipped profile, and from the
-datasheet defaults as for a cluster without one), once with the small-data prior
-(``FitConfig.full_rows``, the default) and once without it (``full_rows=1``: every level weighs
-the same against the prior whatever its row count), and reports the MAPE on the vTrain runs
-the subset left out, next to that of the starting constants: the mean over the subsets and the
-worst subset. ``calibrate`` is the command's own path (``calibration.refit.fit_with_runs``):
-below ``FitConfig.full_rows`` runs the few-shot refit of the starting profile, its noise the
-profile's residual spread, instead of the descent of the other columns. Writes
-``benchmarks/results/small_data.json`` (``--out``).
+``vtrain-a100`` on each as ``diffcost calibrate`` does (from the shipped profile with the
+offsets of the runs' stack, and from the datasheet defaults as for a cluster without one),
+once with the small-data prior (``FitConfig.full_rows``, the default) and once without it
+(``full_rows=1``: every level weighs the same against the prior whatever its row count), and
+reports the MAPE on the vTrain runs the subset left out, next to that of the starting
+constants: the mean over the subsets and the worst subset. ``calibrate`` is the command's
+own path (``calibration.refit.fit_with_runs``): below ``FitConfig.full_rows`` runs the few-shot
+refit of the starting profile, its noise the profile's residual spread, instead of the descent
+of the other columns. Writes ``benchmarks/results/small_data.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,12 @@ def _fit_rows(train: Path, held: Path, profile, cfgs: dict) -> dict:
     """Held-out figures at the start and after each fit config, for one training subset."""
     meas = command.select(load([train]), [CLUSTER])
     problem = fit_mod.build_problem(meas)
-    start = {c: prof.params_for(load_cluster(c), profile)[0] for c in problem.clusters}
+    # as calibrate starts: with the shipped offsets of the runs' stack (Megatron-DeepSpeed)
+    stacks = command.runs_stacks(meas)
+    start = {
+        c: prof.params_for(load_cluster(c), profile, stack=stacks.get(c))[0]
+        for c in problem.clusters
+    }
     out = {"start": validate(held, params=start[CLUSTER])["summary"]["mape_pct"]}
     for label, cfg in cfgs.items():
         res = fit_mod.fit(meas, cfg, False, problem, start)

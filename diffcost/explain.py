@@ -111,8 +111,23 @@ def _log_time_and_grad(u, model, plan, cluster, params, masks, knobs, temperatur
     return out, grad
 
 
-# The program runs once, so its speed does not matter: compile it the fast way.
+# The program runs once per member, so its speed does not matter: compile it the fast way.
 _run = fast_compile_jit(_log_time_and_grad, static_argnames=("knobs", "temperature"))
+
+
+def _median_time_and_grad(u, model, plan, cluster, members, masks, knobs, temperature):
+    """(the first member's ``Breakdown`` with its iteration time set to the members' median,
+    ``d ln median / d u``): the median's log is the members' mean log time, so its gradient is
+    the mean of theirs (``diffcost.population``); one member gives its own."""
+    outs, logs, grads = [], [], []
+    dtype = np.asarray(u).dtype
+    for p in members:
+        p = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), p)
+        out, grad = _run(u, model, plan, cluster, p, masks, knobs=knobs, temperature=temperature)
+        outs.append(out)
+        logs.append(np.log(float(np.asarray(out.iteration_s))))
+        grads.append(np.asarray(grad, dtype=float))
+    return outs[0].replace(iteration_s=np.exp(np.mean(logs))), np.mean(grads, axis=0)
 
 
 def explain(
@@ -137,14 +152,14 @@ def explain(
     from diffcost.api import experiment_arrays, load, params_for
 
     exp = load(exp)
-    note = "given Params"
+    note, members = "given Params", []
     if params is None:
         params, note = params_for(exp, profile)
-        members = profiles.population_size(exp.cluster, profile)
+        members = profiles.population_members(exp.cluster, profile, stack=exp.stack)
         if members:  # predict's time is their median (diffcost.population)
             note += (
-                "; time and elasticities at the population's mean constants (predict: the "
-                f"median over its {members} members)"
+                f"; time and elasticities of the median over the population's {len(members)} "
+                "members (values: their mean constants)"
             )
     model, plan, cluster = experiment_arrays(exp)
     dtype = np.asarray(cluster.hbm_Bps).dtype
@@ -157,8 +172,9 @@ def explain(
     masks = tuple(np.asarray(m, dtype=dtype) for m in (m_prec, m_16))
     knobs = _param_knobs()
     u = np.zeros(_N_VECTOR + len(_CLUSTER_KNOBS) + len(knobs), dtype=dtype)
-    out, grad = _run(u, model, plan, cluster, params, masks, knobs=knobs, temperature=temperature)
-    grad = np.asarray(grad, dtype=float)
+    out, grad = _median_time_and_grad(
+        u, model, plan, cluster, members or [params], masks, knobs, temperature
+    )
 
     prec_name = exp.model.precision
     rows = []

@@ -195,13 +195,28 @@ def test_cli_profile_picks_the_constants_like_predict(capsys):
     assert "--top 0: must be at least 1" in capsys.readouterr().err
 
 
-def test_explain_says_when_predict_takes_the_population_median():
+def test_explain_on_a_cluster_without_a_profile_is_that_of_the_members_median():
     """On a cluster without a profile of its own ``predict`` times the population's members
-    (``diffcost.population``) while the elasticities are at their mean constants: the note
-    says so; on a cluster with a profile it does not."""
+    (``diffcost.population``); explain reports the same time, and each elasticity is the
+    mean of the members' (the median's log is their mean log time); the note says so. On a
+    cluster with a profile it does not."""
+    from diffcost import api, profiles
     from diffcost.explain import explain
 
-    profileless = explain("configs/examples/gpt3-175b.yaml")
-    assert "median over its" in profileless["constants"]
+    config = "configs/examples/gpt3-175b.yaml"
+    profileless = explain(config)
+    assert "median over the population's" in profileless["constants"]
+    exp = api.load(config)
+    predicted = float(api.predict(exp).iteration_s)
+    assert profileless["iteration_s"] == pytest.approx(predicted, rel=1e-5)
+    members = profiles.population_members(exp.cluster, stack=exp.stack)
+    by_member = [
+        {r["key"]: r["elasticity"] for r in explain(config, p)["elasticities"]} for p in members
+    ]
+    for r in profileless["elasticities"]:
+        mean = np.mean([m[r["key"]] for m in by_member])
+        assert r["elasticity"] == pytest.approx(mean, rel=1e-4, abs=1e-6)
+    spread = np.ptp([m["gemm_eff"] for m in by_member])
+    assert spread > 1e-4  # the members differ, so the mean is not any one of them
     profiled = explain("configs/examples/llama3-70b-h100.yaml")  # dgx-h100 has a profile
-    assert "median over its" not in profiled["constants"]
+    assert "median over" not in profiled["constants"]
