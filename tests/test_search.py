@@ -228,3 +228,22 @@ def test_cli_search_errors(capsys):
     code = cli.main([*base, "--gpus", "8", "--global-batch", "8", "--starts", "8", "--steps", "60"])
     out = capsys.readouterr().out
     assert code == 1 and "nothing fits" in out and "smallest peak memory" in out
+
+
+def test_cli_search_on_a_cluster_without_a_profile_times_plans_as_predict(tmp_path, capsys):
+    """selene-a100-80g has no profile of its own: predict takes the median over the
+    population's members, and search times, ranks and saves the plans it found the same way
+    (the search itself runs at the members' mean constants)."""
+    import json
+
+    from diffcost import api
+
+    args = ["search", "llama3-8b", "--cluster", "selene-a100-80g", "--gpus", "16"]
+    args += ["--global-batch", "64", "--starts", "8", "--steps", "60", "--top", "3", "--json"]
+    assert cli.main([*args, "--save-plans", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "ranked by the median over the population's" in out["profile"]
+    times = [t["iteration_s"] for t in out["top"]]
+    assert times == sorted(times)
+    for t, path in zip(times, out["saved"]):
+        assert float(api.predict(path).iteration_s) == pytest.approx(t, rel=1e-6)

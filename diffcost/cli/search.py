@@ -1,8 +1,10 @@
 """``diffcost search``: the fastest plans that fit, found by gradient descent and a polish.
 
 ``diffcost.search.search`` finds the plans; this module loads the space, predicts each plan
-found in full (``diffcost.api.predict``) and reports them: the best one as ``predict`` prints
-it, then a table of the top K, or one JSON object. Exit code 1 when no plan fits.
+found in full as ``predict`` does (``diffcost.api.predict``: on a cluster timed as the median
+over the population's members, that median, which can reorder the plans; ``ranked``) and
+reports them: the best one as ``predict`` prints it, then a table of the top K, or one JSON
+object. Exit code 1 when no plan fits.
 
 ``--sbp`` searches the per-operator sharding of a graph model instead (``diffcost.cli.graph``)
 and ``--embedding-sharding`` a DLRM's embedding-table sharding (``diffcost.cli.dlrm``).
@@ -11,12 +13,13 @@ and ``--embedding-sharding`` a DLRM's embedding-table sharding (``diffcost.cli.d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import yaml
 
-from diffcost import api
+from diffcost import api, profiles
 from diffcost import search as search_mod
 from diffcost.arrays import GiB
 from diffcost.cli import common, dlrm, graph
@@ -134,13 +137,33 @@ def save_plans(args: argparse.Namespace, space: Space, result: search_mod.Search
     return paths
 
 
-def summary(space: Space, result: search_mod.SearchResult, params, note: str) -> dict:
+def ranked(
+    space: Space, result: search_mod.SearchResult, params, profile=None
+) -> tuple[search_mod.SearchResult, list[dict]]:
+    """``result`` with its plans in the order of ``predict``'s time, and each plan's entry of
+    ``top`` (its ``predict --json`` object). Where ``predict`` takes the median over the
+    population's members (a cluster without a profile of its own, or a profile file with
+    members: ``diffcost.population``) each plan found is timed that way, which can reorder
+    plans the search ranked at the members' mean constants; otherwise with ``params``."""
+    median = bool(profiles.population_size(space.cluster, profile))
+    top = []
+    for c in result.best:
+        exp = _plan_experiment(space, c.choice)
+        out = api.predict(exp, profile=profile) if median else api.predict(exp, params=params)
+        d = breakdown_dict(exp, out)
+        top.append({"plan": c.choice.describe(space), "label": c.choice.label(space), **d})
+    order = sorted(range(len(top)), key=lambda i: top[i]["iteration_s"])
+    best = [result.best[i] for i in order]
+    return dataclasses.replace(result, best=best), [top[i] for i in order]
+
+
+def summary(space: Space, result: search_mod.SearchResult, top: list[dict], note: str) -> dict:
     """The JSON object of ``search --json``.
 
     Args:
         space: the space searched.
-        result: ``diffcost.search.search``'s result.
-        params: the constants searched with (each plan found is predicted with them again).
+        result: ``diffcost.search.search``'s result, its plans in ``ranked``'s order.
+        top: ``ranked``'s entries of the plans found.
         note: which constants those are.
 
     Returns:
@@ -148,11 +171,6 @@ def summary(space: Space, result: search_mod.SearchResult, params, note: str) ->
         counts), ``top`` (each plan with its ``predict --json`` object) and ``closest`` (the
         plan with the smallest peak memory).
     """
-    top = []
-    for c in result.best:
-        exp = _plan_experiment(space, c.choice)
-        d = breakdown_dict(exp, api.predict(exp, params=params))
-        top.append({"plan": c.choice.describe(space), "label": c.choice.label(space), **d})
     closest = result.closest
     return {
         "model": space.model.name,
@@ -289,7 +307,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     result = search_mod.search(space, params, args.top, cfg)
-    out = summary(space, result, params, note)
+    result, top = ranked(space, result, params, args.profile)
+    members = profiles.population_size(space.cluster, args.profile)
+    if members:
+        note += (
+            f"; plans searched at the mean constants, timed and ranked by the median over the "
+            f"population's {members} members (as predict)"
+        )
+    out = summary(space, result, top, note)
     if args.save_plans:
         out["saved"] = save_plans(args, space, result)
     if args.json:
