@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffcost import profiles, smooth
+from diffcost import population, profiles, smooth
 from diffcost.cache import fast_compile_jit
 from diffcost.params import BY_LEAF, CONSTANTS, Params
 from diffcost.simulate import STATUS_NAMES, simulate
@@ -116,18 +116,20 @@ _run = fast_compile_jit(_log_time_and_grad, static_argnames=("knobs", "temperatu
 
 
 def _median_time_and_grad(u, model, plan, cluster, members, masks, knobs, temperature):
-    """(the first member's ``Breakdown`` with its iteration time set to the members' median,
-    ``d ln median / d u``): the median's log is the members' mean log time, so its gradient is
-    the mean of theirs (``diffcost.population``); one member gives its own."""
-    outs, logs, grads = [], [], []
+    """(the members' ``Breakdown`` combined as ``predict`` combines them,
+    ``population.median_breakdown``, ``d ln median / d u``): the median's log is the members'
+    mean log time, so its gradient is the mean of theirs; one member gives its own."""
+    outs, grads = [], []
     dtype = np.asarray(u).dtype
     for p in members:
         p = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), p)
         out, grad = _run(u, model, plan, cluster, p, masks, knobs=knobs, temperature=temperature)
-        outs.append(out)
-        logs.append(np.log(float(np.asarray(out.iteration_s))))
+        outs.append(jax.tree_util.tree_map(np.asarray, out))
         grads.append(np.asarray(grad, dtype=float))
-    return outs[0].replace(iteration_s=np.exp(np.mean(logs))), np.mean(grads, axis=0)
+    if len(outs) == 1:
+        return outs[0], grads[0]
+    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *outs)
+    return population.median_breakdown(stacked), np.mean(grads, axis=0)
 
 
 def explain(

@@ -207,8 +207,10 @@ def test_explain_on_a_cluster_without_a_profile_is_that_of_the_members_median():
     profileless = explain(config)
     assert "median over the population's" in profileless["constants"]
     exp = api.load(config)
-    predicted = float(api.predict(exp).iteration_s)
-    assert profileless["iteration_s"] == pytest.approx(predicted, rel=1e-5)
+    predicted = api.predict(exp)
+    assert profileless["iteration_s"] == pytest.approx(float(predicted.iteration_s), rel=1e-5)
+    memory = float(predicted.memory_peak_bytes)
+    assert profileless["memory_peak_bytes"] == pytest.approx(memory, rel=1e-6)
     members = profiles.population_members(exp.cluster, stack=exp.stack)
     by_member = [
         {r["key"]: r["elasticity"] for r in explain(config, p)["elasticities"]} for p in members
