@@ -8,7 +8,8 @@ chunk is sharded over every device JAX sees along a one-axis mesh ``("batch",)``
 the cluster and the Params are replicated. One jit-compiled program serves every chunk: it is
 compiled once per (devices, temperature) and, inside that, once per chunk size and dtype.
 The result is the same ``Breakdown`` as ``simulate`` returns, with numpy leaves and a leading
-axis over the configurations.
+axis over the configurations. ``sweep_members`` sweeps once per member of the population a
+cluster without a profile of its own is predicted with and combines them as ``predict`` does.
 
 Summaries of a result, as arrays and plain values: ``best`` (the fastest plans that fit),
 ``pareto_front`` (time against peak memory), ``status_counts``, ``smallest_memory``,
@@ -57,6 +58,7 @@ from diffcost import smooth
 from diffcost.arrays import GiB, PlanArrays, cluster_arrays, model_arrays
 from diffcost.config import ConfigError
 from diffcost.params import Params
+from diffcost.population import median_breakdown
 from diffcost.simulate import (
     STATUS_INVALID,
     STATUS_NAMES,
@@ -307,6 +309,34 @@ def sweep(space: Space, params: Params, **kw) -> SweepResult:
         configs_per_s=len(choices) / running if running > 0 else math.inf,
         devices=n_devices,
         compile_s=compiled_at[0] - t0,
+    )
+
+
+def sweep_members(space: Space, members: list[Params], **kw) -> SweepResult:
+    """``sweep`` with each of ``members`` (the population's, ``profiles.population_members``),
+    every plan's breakdowns combined as ``predict`` combines them
+    (``population.median_breakdown``: the median time, the worst status, the mean memory).
+    ``configs_per_s`` counts plans, each timed once per member; ``progress(done, total)``
+    counts plan evaluations over every member."""
+    user_progress = kw.pop("progress", None)
+    results = []
+    for m, params in enumerate(members):
+        offset = m * len(results[0].choices) if results else 0
+
+        def progress(done, total, offset=offset):
+            if user_progress is not None:
+                user_progress(offset + done, total * len(members))
+
+        results.append(sweep(space, params, progress=progress, **kw))
+    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *(r.breakdown for r in results))
+    running = sum(r.seconds - r.compile_s for r in results)
+    first = results[0]
+    return dataclasses.replace(
+        first,
+        breakdown=median_breakdown(stacked),
+        seconds=sum(r.seconds for r in results),
+        configs_per_s=len(first.choices) / running if running > 0 else math.inf,
+        compile_s=sum(r.compile_s for r in results),
     )
 
 

@@ -398,3 +398,28 @@ def test_lora_space_swept_with_its_adapters():
         assert (
             one.iteration_s != api.simulate_jit(model, plain, cluster, default_params()).iteration_s
         )
+
+
+def test_a_cluster_without_a_profile_is_swept_as_predict_times_it(capsys):
+    """selene-a100-80g has no profile of its own: ``predict`` takes the median over the
+    population's members, and the sweep times every plan the same way."""
+    from diffcost import profiles
+    from diffcost.specs import Experiment
+
+    s = space.load_space("llama3-8b", "selene-a100-80g", 8, 32)
+    members = profiles.population_members(s.cluster)
+    assert len(members) > 1
+    result = sweep.sweep_members(s, members, chunk=CHUNK)
+    assert len(result.choices) == result.breakdown.iteration_s.shape[0]
+    for i in sweep.best(result, 2):
+        exp = Experiment(model=s.model, plan=s.plan_spec(result.choices[i]), cluster=s.cluster)
+        predicted = api.predict(exp)
+        assert float(predicted.iteration_s) == pytest.approx(result.breakdown.iteration_s[i], 1e-5)
+        mem = float(predicted.memory_peak_bytes)
+        assert mem == pytest.approx(float(result.breakdown.memory_peak_bytes[i]), rel=1e-6)
+    argv = ["llama3-8b", "--cluster", "selene-a100-80g", "--gpus", "8", "--global-batch", "32"]
+    assert _run_cli([*argv, "--chunk", str(CHUNK), "--top", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "median over the population's" in d["profile"]
+    best = sweep.best(result, 1)[0]
+    assert d["top"][0]["iteration_s"] == pytest.approx(float(result.breakdown.iteration_s[best]))

@@ -30,7 +30,8 @@ from diffcost import sweep
 from diffcost.arrays import GiB
 from diffcost.cli import common
 from diffcost.config import ConfigError
-from diffcost.profiles import params_for
+from diffcost.population import median_note
+from diffcost.profiles import params_for, population_members
 from diffcost.simulate import STATUS_INVALID, STATUS_OK
 from diffcost.space import load_space
 
@@ -293,19 +294,24 @@ def run(args: argparse.Namespace) -> int:
         param_gather=args.param_gather,
     )
     params, note = params_for(space.cluster, args.profile)
+    members = population_members(space.cluster, args.profile)
+    if members:  # as predict: every plan timed with each member, their median
+        note += f"; {median_note(len(members))}"
     if not args.json:
         print(f"constants: {note}")
 
     with _progress_bar(not args.json and sys.stderr.isatty()) as bar:
         task = bar.add_task("compiling", total=None)
-        result = sweep.sweep(
-            space,
-            params,
+        kw = dict(
             chunk=args.chunk,
             progress=lambda done, total: bar.update(
                 task, description="sweep", completed=done, total=total
             ),
         )
+        if members:
+            result = sweep.sweep_members(space, members, **kw)
+        else:
+            result = sweep.sweep(space, params, **kw)
     top = sweep.best(result, args.top)
     d = _summary(result, top, note, _files(args, result))
     if args.json:
