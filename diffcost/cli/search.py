@@ -17,9 +17,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import yaml
 
-from diffcost import api, profiles
+from diffcost import api, population, profiles
 from diffcost import search as search_mod
 from diffcost.arrays import GiB
 from diffcost.cli import common, dlrm, graph
@@ -138,19 +140,23 @@ def save_plans(args: argparse.Namespace, space: Space, result: search_mod.Search
 
 
 def ranked(
-    space: Space, result: search_mod.SearchResult, params, profile=None
+    space: Space, result: search_mod.SearchResult, params, members=()
 ) -> tuple[search_mod.SearchResult, list[dict]]:
     """``result`` with its plans in the order of ``predict``'s time, and each plan's entry of
     ``top`` (its ``predict --json`` object). Where ``predict`` takes the median over the
-    population's members (a cluster without a profile of its own, or a profile file with
-    members: ``diffcost.population``) each plan found is timed that way, which can reorder
-    plans the search ranked at the members' mean constants; otherwise with ``params``."""
-    median = bool(profiles.population_size(space.cluster, profile))
+    population's ``members`` (``profiles.population_members``: a cluster without a profile of
+    its own, or a profile file with members; ``diffcost.population``) each plan found is timed
+    that way, which can reorder plans the search ranked at the members' mean constants;
+    otherwise with ``params``."""
+    stacked = population.stack_members(list(members)) if members else None
     top = []
     for c in result.best:
         exp = _plan_experiment(space, c.choice)
-        out = api.predict(exp, profile=profile) if median else api.predict(exp, params=params)
-        d = breakdown_dict(exp, out)
+        if stacked is None:
+            out = api.predict(exp, params=params)
+        else:
+            out = population.simulate_members(*api.experiment_arrays(exp), stacked)
+        d = breakdown_dict(exp, jax.tree_util.tree_map(np.asarray, out))
         top.append({"plan": c.choice.describe(space), "label": c.choice.label(space), **d})
     order = sorted(range(len(top)), key=lambda i: top[i]["iteration_s"])
     best = [result.best[i] for i in order]
@@ -307,12 +313,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     result = search_mod.search(space, params, args.top, cfg)
-    result, top = ranked(space, result, params, args.profile)
-    members = profiles.population_size(space.cluster, args.profile)
+    members = profiles.population_members(space.cluster, args.profile)
+    result, top = ranked(space, result, params, members)
     if members:
         note += (
             f"; plans searched at the mean constants, timed and ranked by the median over the "
-            f"population's {members} members (as predict)"
+            f"population's {len(members)} members (as predict)"
         )
     out = summary(space, result, top, note)
     if args.save_plans:
