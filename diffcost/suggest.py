@@ -66,7 +66,7 @@ from diffcost.microbench import (
     target_gemms,
 )
 from diffcost.params import SCALAR_NAMES, Params
-from diffcost.population import median_log_time_jacobian
+from diffcost.population import median_jacobian, median_log_time_jacobian
 from diffcost.simulate import STATUS_NAMES
 from diffcost.specs import Experiment, PlanSpec
 from diffcost.uncertainty import Z80, Spread, Uncertainty, log_time_jacobian, spread
@@ -352,14 +352,35 @@ def _log_time_jacobian(cand: Candidate, params: Params, temperature: float):
     return float(out.iteration_s), jac, STATUS_NAMES[int(out.status)] == "ok"
 
 
+def _median_log_time_jacobian(cand: Candidate, members: list[Params], temperature: float):
+    """``_log_time_jacobian`` of the median over ``members`` (``diffcost.population``): the
+    exponential of their mean log time, the mean of their Jacobians; a run fits in memory
+    when its median status is ok (memory does not depend on the cluster constants)."""
+    if cand.bench is None:
+        out, jac = median_log_time_jacobian(
+            *experiment_arrays(cand.experiment), members, temperature
+        )
+        return float(out.iteration_s), jac, STATUS_NAMES[int(out.status)] == "ok"
+    each = [_log_time_jacobian(cand, p, temperature) for p in members]
+    log_t = np.mean([math.log(t) for t, _, _ in each])
+    return float(np.exp(log_t)), median_jacobian([j for _, j, _ in each]), True
+
+
 def price(
-    cands: Sequence[Candidate], params: Params, temperature: float = smooth.DEFAULT_TEMPERATURE
+    cands: Sequence[Candidate],
+    params: Params,
+    temperature: float = smooth.DEFAULT_TEMPERATURE,
+    members: Sequence[Params] = (),
 ):
     """(kept candidates, their Jacobians ``[m, n]`` over ``SCALAR_NAMES``, their times in
-    seconds): the candidates that fit in memory, priced."""
-    kept, jacs, times = [], [], []
+    seconds): the candidates that fit in memory, priced at ``params``, or as the median over
+    ``members`` when there are any (``diffcost.profiles.population_members``)."""
+    kept, jacs, times, members = [], [], [], list(members)
     for cand in cands:
-        t, jac, fits = _log_time_jacobian(cand, params, temperature)
+        if members:
+            t, jac, fits = _median_log_time_jacobian(cand, members, temperature)
+        else:
+            t, jac, fits = _log_time_jacobian(cand, params, temperature)
         if fits and math.isfinite(t):
             kept.append(cand)
             jacs.append(np.asarray(jac, dtype=float))
@@ -430,8 +451,7 @@ def suggest(
         others: more targets: other plans of ``exp``'s model on its cluster and stack.
         members: for a cluster that takes the population, its members
             (``diffcost.profiles.population_members``): the targets' times and Jacobians are
-            the members' median, as ``predict`` gives them (``params``, the population's mean
-            constants, still price the candidates).
+            the members' median, as ``predict`` gives them, and so are the candidates'.
 
     Returns:
         A ``Design``.
@@ -461,7 +481,7 @@ def suggest(
     now = spreads[0]
     if candidates is None:
         candidates = pooled_candidates(targets, microbenchmarks)
-    kept, jacs, times = price(list(candidates), params, temperature)
+    kept, jacs, times = price(list(candidates), params, temperature, members)
     noise = unc.residual_sd if noise_sd is None else noise_sd
     micro = noise if micro_noise_sd is None else micro_noise_sd
     noise_var = np.array([(noise if c.kind == "run" else micro) ** 2 for c in kept])

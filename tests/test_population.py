@@ -260,3 +260,23 @@ def test_suggest_prices_its_target_as_predict_does(tmp_path, monkeypatch):
     assert design.spread.posterior_sd == pytest.approx(pred.spread.posterior_sd, rel=1e-5)
     at_mean = suggest(exp, params, unc, budget=1, microbenchmarks=False)
     assert at_mean.iteration_s < pred.iteration_s / 1.01
+
+
+def test_suggest_prices_its_candidates_as_predict_does(tmp_path, monkeypatch):
+    """Each candidate ``suggest`` weighs on a cluster without a profile is priced as the
+    members' median: a run's time is ``predict``'s of its experiment, a microbenchmark's the
+    exponential of the members' mean log time; at the mean constants they would be faster."""
+    from diffcost import suggest as sg
+
+    _, exp, params, unc = _host_dispatch_population(monkeypatch, tmp_path)
+    each = prof.population_members(exp.cluster, stack=exp.stack)
+    cands = sg.candidate_runs(exp)[:3] + sg.candidate_microbenchmarks(exp)[:2]
+    kept, jacs, times = sg.price(cands, params, members=each)
+    assert len(kept) == len(cands) and jacs.shape == (len(cands), len(SCALAR_NAMES))
+    for cand, t in zip(kept[:3], times[:3]):
+        assert t == pytest.approx(float(api.predict(cand.experiment).iteration_s), rel=1e-5)
+    for cand, t in zip(kept[3:], times[3:]):
+        logs = [np.log(sg.price([cand], p)[2][0]) for p in each]
+        assert t == pytest.approx(np.exp(np.mean(logs)), rel=1e-6)
+    _, _, at_mean = sg.price(cands[:3], params)
+    assert np.all(at_mean < times[:3] / 1.01)
