@@ -289,9 +289,9 @@ def member_starts(
     names, by_cluster, stacks = [], {}, stacks or {}
     for name in clusters:
         cluster = load_cluster(name)
-        members = prof.population_members(cluster, profile, stack=stacks.get(name))
+        members = prof.population_named(cluster, profile, stack=stacks.get(name))
         if members:
-            names, by_cluster[name] = prof.population_member_names(cluster, profile), members
+            names, by_cluster[name] = list(members), list(members.values())
     starts = [
         {c: by_cluster[c][i] if c in by_cluster else p for c, p in start.items()}
         for i in range(len(names))

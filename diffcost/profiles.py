@@ -391,38 +391,42 @@ def population_members(
         ProfileError: ``members`` is not a mapping of cluster names to constants, or the
             profile file cannot be used for ``cluster`` (``params_for``).
     """
+    return list(population_named(cluster, profile, dtype, stack).values())
+
+
+def population_named(
+    cluster: ClusterSpec,
+    profile: str | os.PathLike | None = None,
+    dtype=None,
+    stack: str | None = None,
+) -> dict[str, Params]:
+    """``population_members`` by member name (the clusters they are the constants of), in
+    the file's order; {} where it gives []."""
     members = _member_constants(cluster, profile)
     if not members:
-        return []
+        return {}
     family = gpu_family(cluster.gpu.name)
     params = default_params(dtype, family)
     if profile is not None:
         path = Path(profile)
         mean, _ = _explicit(cluster, family, path, params)
-        return [
-            apply_values(mean, values, f"{path}: members.{name}")
+        return {
+            name: apply_values(mean, values, f"{path}: members.{name}")
             for name, values in members.items()
-        ]
+        }
     path, dev = population_path(), device_profile(family)
     if dev.exists():
         params = apply_values(params, _read(dev)["constants"], str(dev))
     offsets, _ = stack_offsets(stack)
-    return [
-        apply_stack(apply_values(params, values, f"{path}: members.{name}"), offsets)
+    return {
+        name: apply_stack(apply_values(params, values, f"{path}: members.{name}"), offsets)
         for name, values in members.items()
-    ]
+    }
 
 
 def population_size(cluster: ClusterSpec, profile: str | os.PathLike | None = None) -> int:
     """How many members ``population_members`` gives (0: the constants' own prediction)."""
     return len(_member_constants(cluster, profile))
-
-
-def population_member_names(
-    cluster: ClusterSpec, profile: str | os.PathLike | None = None
-) -> list[str]:
-    """The names of the members ``population_members`` gives, in its order."""
-    return list(_member_constants(cluster, profile))
 
 
 def _member_constants(cluster: ClusterSpec, profile) -> dict:

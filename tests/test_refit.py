@@ -213,7 +213,7 @@ def test_calibrate_keeps_the_members_of_a_cluster_without_a_profile(tmp_path, ca
     assert summary["few_shot"]["members"] == n_members
     members = prof.population_members(cluster, out)
     assert len(members) == n_members == prof.population_size(cluster, out)
-    assert prof.population_member_names(cluster, out) == prof.population_member_names(cluster)
+    assert list(prof.population_named(cluster, out)) == list(prof.population_named(cluster))
     e2e = summary["rows"]["e2e"]
     zero_shot = validate(str(runs))["summary"]["mape_pct"]
     assert e2e["mape_before_pct"] == pytest.approx(zero_shot, rel=1e-4)
