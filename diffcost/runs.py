@@ -87,6 +87,10 @@ FRAMEWORK_DEFAULTS = {
         False, 3, "none", "flash", True, False, True, ("full", 0.5), param_gather="layer"
     ),
     "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
+    # JAX (after "Alpa", whose cells also say JAX): cuDNN's fused attention, which
+    # ``jax.nn.dot_product_attention(implementation="cudnn")`` runs on NVIDIA GPUs, as
+    # ``benchmarks/gpu_measure.py``'s training steps do.
+    "JAX": FrameworkDefaults(False, 0, "none", "cudnn", True, False),
 }
 GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
 # Recompute a framework's own configs use for a model family, where that differs from the

@@ -89,6 +89,19 @@ def test_selective_recompute_is_what_the_stack_replays(framework, expected):
     assert said == (["selective recompute as full on 0.5 of the layers"] if expected[1] < 1 else [])
 
 
+@pytest.mark.parametrize(
+    "framework, expected",
+    [("JAX (XLA; optax AdamW)", "cudnn"), ("Alpa (JAX)", "unfused"), ("MyTrainer", "flash")],
+)
+def test_attention_kernel_is_the_frameworks(framework, expected):
+    """A JAX run is priced with cuDNN's fused attention (what ``jax.nn.dot_product_attention``
+    runs with ``implementation="cudnn"``); Alpa, whose cells also say JAX, keeps its own
+    kernel, and a framework no default names takes the generic FlashAttention-2."""
+    row = dict(read_rows(E2E)[1], framework=framework)
+    model, _, _, _ = row_to_specs(row, {})
+    assert model.attention == expected
+
+
 def test_blank_time_is_a_skip_with_its_reason(capsys):
     out = validate(E2E)
     assert out["rows"][5]["skipped"] == "measured_iter_s blank"
