@@ -345,7 +345,15 @@ def _dense(x, wb):
     return x @ w.astype(jnp.bfloat16) + b.astype(jnp.bfloat16)
 
 
-def gpt_loss(params, tokens, heads, impl, recompute):
+# What the backward pass of a layer keeps (``gpt_loss``'s ``recompute``): everything (none),
+# only its input, the whole layer recomputed (full), or the matrix products' outputs, the rest
+# recomputed (dots: ``jax.checkpoint_policies.dots_saveable``).
+RECOMPUTE_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_saveable}
+
+
+def gpt_loss(params, tokens, heads, impl, recompute, unroll=False):
+    """Mean next-token loss; ``recompute`` one of "none" and ``RECOMPUTE_POLICIES``; the layers
+    under ``lax.scan``, or one after another in Python with ``unroll``."""
     bf = jnp.bfloat16
     b, s = tokens.shape
     x = (params["wte"][tokens] + params["wpe"][:s]).astype(bf)
@@ -360,9 +368,14 @@ def gpt_loss(params, tokens, heads, impl, recompute):
         y = jax.nn.gelu(_dense(_ln(x, *p["ln2"]), p["fc1"]))
         return x + _dense(y, p["fc2"]), None
 
-    if recompute == "full":
-        layer = jax.checkpoint(layer)
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    if recompute != "none":
+        layer = jax.checkpoint(layer, policy=RECOMPUTE_POLICIES[recompute])
+    if unroll:
+        n = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
+        for i in range(n):
+            x, _ = layer(x, jax.tree_util.tree_map(lambda w, i=i: w[i], params["layers"]))
+    else:
+        x, _ = jax.lax.scan(layer, x, params["layers"])
     logits = (_ln(x, *params["lnf"]) @ params["wte"].astype(bf).T).astype(jnp.float32)
     labels = jnp.roll(tokens, -1, axis=1)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -373,14 +386,15 @@ def _model_flops(layers, h, s, vocab, tokens):
     return 72.0 * tokens * layers * h * h * (1 + s / (6 * h) + vocab / (12 * h * layers))
 
 
-def _train_step_times(run, layers, h, s, vocab, mb, heads, recompute):
-    """(median step seconds, every timed step's seconds, XLA's assigned peak bytes or None) of
-    one GPT configuration: 3 warm-up steps, then ``--steps`` timed ones."""
+def compile_step(layers, h, s, vocab, mb, heads, impl, recompute, unroll=False):
+    """(the compiled AdamW training step of one GPT configuration, its parameters, optimizer
+    state and tokens): ``step(params, state, tokens) -> (params, state, loss)``, the first two
+    donated."""
     params = gpt_init(jax.random.PRNGKey(2), layers, h, s, vocab)
     opt = optax.adamw(1e-4)
     state = opt.init(params)
     tokens = jax.random.randint(jax.random.PRNGKey(3), (mb, s), 0, vocab)
-    loss = functools.partial(gpt_loss, heads=heads, impl=run.impl, recompute=recompute)
+    loss = functools.partial(gpt_loss, heads=heads, impl=impl, recompute=recompute, unroll=unroll)
 
     def step(params, state, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
@@ -388,27 +402,52 @@ def _train_step_times(run, layers, h, s, vocab, mb, heads, recompute):
         return optax.apply_updates(params, updates), state, value
 
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens).compile()
+    return compiled, params, state, tokens
+
+
+def assigned_bytes(compiled) -> int | None:
+    """XLA's buffer assignment of a compiled program: arguments + outputs + temporaries -
+    aliased (None where the backend does not say)."""
     mem = compiled.memory_analysis()
-    peak = None
-    if mem is not None:
-        peak = (
-            mem.argument_size_in_bytes
-            + mem.output_size_in_bytes
-            + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes
-        )
+    if mem is None:
+        return None
+    return (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+
+
+def step_times(compiled, params, state, tokens, steps: int):
+    """(every timed step's seconds, params, state) of ``steps`` calls of a ``compile_step``
+    program after 3 warm-up calls.
+
+    Raises:
+        FloatingPointError: the loss is not finite.
+    """
     for _ in range(3):
         params, state, value = compiled(params, state, tokens)
     jax.block_until_ready(value)
     times = []
-    for _ in range(run.args.steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         params, state, value = compiled(params, state, tokens)
         jax.block_until_ready(value)
         times.append(time.perf_counter() - t0)
     if not np.isfinite(float(value)):
         raise FloatingPointError(f"loss {float(value)}")
-    return float(np.median(times)), times, peak
+    return times, params, state
+
+
+def _train_step_times(run, layers, h, s, vocab, mb, heads, recompute):
+    """(median step seconds, every timed step's seconds, XLA's assigned peak bytes or None) of
+    one GPT configuration: 3 warm-up steps, then ``--steps`` timed ones."""
+    compiled, params, state, tokens = compile_step(
+        layers, h, s, vocab, mb, heads, run.impl, recompute
+    )
+    times, _, _ = step_times(compiled, params, state, tokens, run.args.steps)
+    return float(np.median(times)), times, assigned_bytes(compiled)
 
 
 def _e2e_row(run, model, layers, h, s, vocab, mb, heads, recompute, measured) -> dict:
@@ -518,6 +557,13 @@ def main(argv=None) -> int:
         counts["e2e"] = write_csv(
             os.path.join(args.out, "e2e.csv"), E2E_COLUMNS, e2e_rows(run, scale)
         )
+    write_meta(args.out, run, rows=counts, dispatch_s=run.dispatch_s)
+    return 0
+
+
+def write_meta(out: str, run: Run, **facts) -> dict:
+    """Write and print ``out/meta.json``: the command, date, device and software, ``facts``,
+    what was skipped or failed and the elapsed time."""
     meta = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -526,16 +572,15 @@ def main(argv=None) -> int:
         "jax": jax.__version__,
         "optax": optax.__version__,
         "python": platform.python_version(),
-        "rows": counts,
+        **facts,
         "skipped_over_budget": run.skipped,
         "failures": run.failures,
-        "dispatch_s": run.dispatch_s,
         "elapsed_s": round(time.perf_counter() - run.start, 1),
     }
-    with open(os.path.join(args.out, "meta.json"), "w") as fh:
+    with open(os.path.join(out, "meta.json"), "w") as fh:
         json.dump(meta, fh, indent=1)
     print(json.dumps(meta, indent=1))
-    return 0
+    return meta
 
 
 if __name__ == "__main__":
