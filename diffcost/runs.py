@@ -48,6 +48,8 @@ class FrameworkDefaults:
     # Layers that do not split evenly over the pipeline stages split evenly with the embedding
     # and the loss counted as a layer each (``PlanSpec.split_edges``)
     split_edges: bool = False
+    # The host launches one program per step, not every op (``PlanSpec.cuda_graphs``)
+    cuda_graphs: bool = False
 
 
 # Megatron-Core builds the same number of layers on every virtual stage (it asserts that they
@@ -89,8 +91,9 @@ FRAMEWORK_DEFAULTS = {
     "Alpa": FrameworkDefaults(False, 0, "none", "unfused", True, False),
     # JAX (after "Alpa", whose cells also say JAX): cuDNN's fused attention, which
     # ``jax.nn.dot_product_attention(implementation="cudnn")`` runs on NVIDIA GPUs, as
-    # ``benchmarks/gpu_measure.py``'s training steps do.
-    "JAX": FrameworkDefaults(False, 0, "none", "cudnn", True, False),
+    # ``benchmarks/gpu_measure.py``'s training steps do; a jitted step is one compiled XLA
+    # program, whose kernels XLA's runtime launches with no Python dispatch per op.
+    "JAX": FrameworkDefaults(False, 0, "none", "cudnn", True, False, cuda_graphs=True),
 }
 GENERIC_DEFAULTS = FrameworkDefaults(False, 0, "none", "flash", True, False)
 # Recompute a framework's own configs use for a model family, where that differs from the
@@ -304,6 +307,8 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         used.append(f"param_gather={param_gather} (ZeRO-2 as FSDP SHARD_GRAD_OP)")
     if not fw.grad_reduce_fp32 and zero < 3:
         used.append("grad_reduce_fp32=False")
+    if fw.cuda_graphs:
+        used.append("cuda_graphs (one program per step: no host dispatch per op)")
     if n_micro := gb / (dp * mb):
         if abs(n_micro - round(n_micro)) > 1e-9:
             used.append(f"microbatches={n_micro:.3g} (fractional: global batch not divisible)")
@@ -332,6 +337,7 @@ def _plan_spec(row: dict, model: ModelSpec, fw_key: str | None, used: list[str])
         overlap_dp=fw.overlap_dp,
         overlap_tp=fw.overlap_tp and tp > 1,
         grad_reduce_fp32=fw.grad_reduce_fp32,
+        cuda_graphs=fw.cuda_graphs,
     )
 
 

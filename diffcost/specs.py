@@ -181,9 +181,10 @@ class PlanSpec:
     # them) and trains rank-r adapters on ``lora_modules`` of every layer
     lora_rank: int | None = None
     lora_modules: LoraModules = "attention"
-    # The implementation replays captured CUDA graphs (NVIDIA's MLPerf BERT, MXNet ResNet):
-    # the host launches one graph per step instead of dispatching every op, so there is no
-    # host time per op (``Params.host_op_s``); each kernel's GPU-side time stays
+    # The implementation replays captured CUDA graphs (NVIDIA's MLPerf BERT, MXNet ResNet) or
+    # runs one compiled program per step (a jitted JAX step): the host launches one graph or
+    # program per step instead of dispatching every op, so there is no host time per op
+    # (``Params.host_op_s``); each kernel's GPU-side time stays
     cuda_graphs: bool = False
 
     @property

@@ -90,16 +90,23 @@ def test_selective_recompute_is_what_the_stack_replays(framework, expected):
 
 
 @pytest.mark.parametrize(
-    "framework, expected",
-    [("JAX (XLA; optax AdamW)", "cudnn"), ("Alpa (JAX)", "unfused"), ("MyTrainer", "flash")],
+    "framework, kernel, one_program",
+    [
+        ("JAX (XLA; optax AdamW)", "cudnn", True),
+        ("Alpa (JAX)", "unfused", False),
+        ("MyTrainer", "flash", False),
+    ],
 )
-def test_attention_kernel_is_the_frameworks(framework, expected):
+def test_attention_kernel_and_dispatch_are_the_frameworks(framework, kernel, one_program):
     """A JAX run is priced with cuDNN's fused attention (what ``jax.nn.dot_product_attention``
-    runs with ``implementation="cudnn"``); Alpa, whose cells also say JAX, keeps its own
-    kernel, and a framework no default names takes the generic FlashAttention-2."""
+    runs with ``implementation="cudnn"``) and as one compiled program per step (no host
+    dispatch per op, said in the row's defaults); Alpa, whose cells also say JAX, keeps its
+    own kernel, and a framework no default names takes the generic FlashAttention-2 and
+    dispatches every op."""
     row = dict(read_rows(E2E)[1], framework=framework)
-    model, _, _, _ = row_to_specs(row, {})
-    assert model.attention == expected
+    model, plan, _, used = row_to_specs(row, {})
+    assert model.attention == kernel and plan.cuda_graphs == one_program
+    assert any(u.startswith("cuda_graphs") for u in used) == one_program
 
 
 def test_blank_time_is_a_skip_with_its_reason(capsys):
