@@ -5,9 +5,9 @@
 On the H100 and H200 (``benchmarks/results/h100``, ``h200``) a ``gpu_measure.py`` step with full
 recompute takes about as long as the same step without (0.85-1.06x), though it does a third
 more matrix FLOPs, and the steps without recompute run 10-26% slower than their kernels predict
-(docs/calibration.md). This script times one configuration of ``gpu_measure.py``'s GPT (default
-GPT-h1024-L24, 2,048 tokens, microbatch 8) built the same way, in variants that separate the
-suspects:
+(docs/calibration.md; the figures in benchmarks/results/HISTORY.md, nineteenth session). This
+script times one configuration of ``gpu_measure.py``'s GPT (default GPT-h1024-L24, 2,048
+tokens, microbatch 8) built the same way, in variants that separate the suspects:
 
 * ``loop``: the layers under ``lax.scan`` (as ``gpu_measure.py``), or unrolled in Python, which
   keeps no stacked residual buffers;
