@@ -217,7 +217,12 @@ def explain(
     f = lambda x: float(np.asarray(x))  # noqa: E731
     network = {}
     if topology is not None:
-        graph_s, classes = link_class_elasticities(exp, topology, params, temperature)
+        args = (params, temperature)
+        if members:  # the median's own elasticities, as for the constants above
+            from diffcost.network.job import median_time_fn
+
+            args = (population.stack_members(members), temperature, median_time_fn())
+        graph_s, classes = link_class_elasticities(exp, topology, *args)
         network = {"graph_iteration_s": graph_s, "link_classes": classes}
     return {
         **network,

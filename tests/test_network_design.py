@@ -237,6 +237,33 @@ def test_design_command_json(tmp_path, capsys):
     assert out["start"]["oversubscription"]  # from_cluster's leaves taper (or not) by 1x
 
 
+def test_a_cluster_without_profile_is_designed_at_the_members_median(tmp_path):
+    """On a cluster that takes the population's median (dgx-h200: no profile of its own) the
+    design times the job as the members' mean log time, as ``predict`` times the experiment,
+    not at the population's mean constants (faster: time is convex in them)."""
+    from diffcost import profiles
+
+    spec = design_config.load_design(
+        _write(tmp_path, _with(overrides=["gpus=16", "plan.dp=16", "cluster=dgx-h200"]))
+    )
+    exp = spec.experiment
+    members = profiles.population_members(exp.cluster, stack=exp.stack)
+    assert len(members) > 1
+    out = design_config.run_design(spec)
+    assert out["predict_iteration_s"] == pytest.approx(float(api.predict(exp).iteration_s))
+    netjob = job.experiment_job(spec.topology, exp)
+    ones = np.ones(len(job.CLASSES))
+    each = [float(job.job_time_s(ones, netjob, p)) for p in members]
+    assert out["start"]["time_s"] == pytest.approx(np.exp(np.mean(np.log(each))), rel=1e-5)
+    at_mean = float(job.job_time_s(ones, netjob, api.params_for(exp)[0]))
+    assert at_mean < out["start"]["time_s"]
+    # explain --topology reports the same median on the graph
+    from diffcost.explain import explain
+
+    graph_s = explain(exp, topology=spec.topology)["graph_iteration_s"]
+    assert graph_s == pytest.approx(out["start"]["time_s"], rel=1e-5)
+
+
 def test_explain_topology_rows(capsys):
     args = ["explain", f"{EXAMPLES}/llama3-8b-fsdp.yaml", "gpus=16", "plan.dp=16"]
     assert main([*args, "--topology", "cluster", "--json"]) == 0

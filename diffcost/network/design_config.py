@@ -232,8 +232,8 @@ def oversubscription(topology: Topology, scale) -> dict:
     return out
 
 
-def _point(d: Design, spec: DesignSpec, job, params) -> dict:
-    m = marginals(d.scale, job, params, spec.spend)
+def _point(d: Design, spec: DesignSpec, job, params, time_fn=None) -> dict:
+    m = marginals(d.scale, job, params, spec.spend, time_fn)
     return {
         "scale": d.scale.tolist(),
         "time_s": d.time_s,
@@ -245,12 +245,26 @@ def _point(d: Design, spec: DesignSpec, job, params) -> dict:
     }
 
 
+def design_params(exp: Experiment, time_fn=None):
+    """(params, time_fn) that time ``exp``'s job as ``diffcost predict`` times ``exp``: the
+    cluster's constants, or for a cluster that takes the population's median
+    (``profiles.population_members``) the members with a leading axis and
+    ``job.median_time_fn(time_fn)``."""
+    from diffcost import api, population, profiles
+
+    members = profiles.population_members(exp.cluster, stack=exp.stack)
+    if members:
+        return population.stack_members(members), netjob.median_time_fn(time_fn)
+    return api.params_for(exp)[0], time_fn
+
+
 def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
     """Optimize ``spec`` and report the built network and the best design.
 
     Args:
         spec: ``load_design(...)``.
-        params: calibrated constants (default: the experiment's, as ``diffcost predict``).
+        params: calibrated constants (default: the experiment's, as ``diffcost predict``,
+            ``design_params``; given, they and ``time_fn`` are used as they are).
         time_fn: the job-time seam (None: ``job.default_time_fn()``).
 
     Returns:
@@ -262,8 +276,9 @@ def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
     from diffcost import api
 
     exp = spec.experiment
+    given = params
     if params is None:
-        params = api.params_for(exp)[0]
+        params, time_fn = design_params(exp, time_fn)
     try:
         job = netjob.experiment_job(spec.topology, exp)
     except ValueError as err:
@@ -281,8 +296,8 @@ def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
         "classes": list(netjob.CLASSES),
         "optimized": [c for c, m in zip(netjob.CLASSES, spec.objective.optimize) if m],
         "spend_usd": spec.spend.tolist(),
-        "predict_iteration_s": float(api.predict(exp, params=params).iteration_s),
-        "start": _point(start, spec, job, params),
-        "best": _point(best, spec, job, params),
+        "predict_iteration_s": float(api.predict(exp, params=given).iteration_s),
+        "start": _point(start, spec, job, params, time_fn),
+        "best": _point(best, spec, job, params, time_fn),
         "steps": len(history) - 1,
     }

@@ -24,7 +24,7 @@ import numpy as np
 from diffcost import search
 from diffcost.network import job as netjob
 from diffcost.network.design import optimize
-from diffcost.network.design_config import DesignSpec, oversubscription
+from diffcost.network.design_config import DesignSpec, design_params, oversubscription
 from diffcost.specs import ClusterSpec, PlanSpec
 
 PLAN_KEYS = ("tp", "cp", "pp", "dp", "ep", "zero", "recompute", "microbatch", "schedule")
@@ -49,10 +49,8 @@ def plan_summary(plan: PlanSpec) -> dict:
 
 
 def _design_for(spec: DesignSpec, plan: PlanSpec, time_fn) -> dict:
-    from diffcost import api
-
     exp = dataclasses.replace(spec.experiment, plan=plan)
-    params = api.params_for(exp)[0]
+    params, time_fn = design_params(exp, time_fn)
     job = netjob.experiment_job(spec.topology, exp)
     start, best, _ = optimize(
         job, params, spec.spend, spec.objective, spec.steps, spec.learning_rate, time_fn

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
@@ -287,6 +288,20 @@ def default_time_fn() -> JobTimeFn:
     --topology``, the benchmark): the one line to change to point them all at another
     graph-aware prediction path."""
     return graph_iteration_s
+
+
+def median_time_fn(time_fn: JobTimeFn | None = None) -> JobTimeFn:
+    """A ``JobTimeFn`` whose ``params`` are a population's members with a leading member axis
+    (``population.stack_members``): the exponential of their mean log time under ``time_fn``
+    (None: ``default_time_fn()``), as ``predict`` times a cluster without a profile of its
+    own."""
+    base = default_time_fn() if time_fn is None else time_fn
+
+    def time_s(capacity_Bps, job, members, temperature):
+        each = jax.vmap(lambda p: base(capacity_Bps, job, p, temperature))(members)
+        return jnp.exp(jnp.mean(jnp.log(each)))
+
+    return time_s
 
 
 def scaled_capacity(class_scale, job: GraphJob):
