@@ -215,15 +215,7 @@ def explain(
     rows.sort(key=lambda r: (-round(abs(r["elasticity"]), 6), r["group"] != _HARDWARE))
 
     f = lambda x: float(np.asarray(x))  # noqa: E731
-    network = {}
-    if topology is not None:
-        args = (params, temperature)
-        if members:  # the median's own elasticities, as for the constants above
-            from diffcost.network.job import median_time_fn
-
-            args = (population.stack_members(members), temperature, median_time_fn())
-        graph_s, classes = link_class_elasticities(exp, topology, *args)
-        network = {"graph_iteration_s": graph_s, "link_classes": classes}
+    network = {} if topology is None else _network(exp, topology, params, members, temperature)
     return {
         **network,
         "iteration_s": f(out.iteration_s),
@@ -234,6 +226,18 @@ def explain(
         "constants": note,
         "elasticities": rows,
     }
+
+
+def _network(exp, topology, params, members, temperature) -> dict:
+    """``explain``'s ``graph_iteration_s`` and ``link_classes`` on ``topology``: at ``params``,
+    or the members' median when there are any (its own elasticities, as for the constants)."""
+    args = (params, temperature)
+    if members:
+        from diffcost.network.job import median_time_fn
+
+        args = (population.stack_members(members), temperature, median_time_fn())
+    graph_s, classes = link_class_elasticities(exp, topology, *args)
+    return {"graph_iteration_s": graph_s, "link_classes": classes}
 
 
 def tier_elasticities(model, plan, cluster, params, temperature=smooth.DEFAULT_TEMPERATURE):
