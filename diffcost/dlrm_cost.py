@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffcost import comm, kernels, smooth
+from diffcost import comm, kernels, population, smooth
 from diffcost.arrays import ClusterArrays, cluster_arrays
 from diffcost.dlrm import L2_TO_HBM_BANDWIDTH, DlrmArrays, DlrmSpec, cache_hit_rate, dlrm_arrays
 from diffcost.params import Params
@@ -100,6 +100,9 @@ class ShardingProblem:
     cluster: ClusterArrays
     params: Params
     layout: RankLayout
+    # for a cluster that takes the population's median: its members with a leading axis
+    # (``population.constants_for``), which ``plan_cost`` prices instead of ``params``
+    members: Params | None = None
 
 
 @struct.dataclass
@@ -128,6 +131,17 @@ class DlrmBreakdown:
     memory_peak_bytes: jax.Array
     memory_capacity_bytes: jax.Array
 
+    # the time parts (``population.median_breakdown`` scales them with the time)
+    TIME_PARTS = (
+        "lookup_fwd_s",
+        "lookup_bwd_s",
+        "comm_s",
+        "dense_s",
+        "all_reduce_s",
+        "forward_s",
+        "rank_lookup_s",
+    )
+
 
 def column_shards(dim: int) -> int:
     """Column shards of a table of width ``dim`` placed column-wise."""
@@ -153,8 +167,11 @@ def rank_layout(dims, n_ranks: int, gpus_per_node: int, dtype=None) -> RankLayou
     )
 
 
-def make_problem(spec: DlrmSpec, cluster: ClusterSpec, n_gpus: int, params: Params, dtype=None):
-    """The ``ShardingProblem`` of ``spec`` on ``n_gpus`` GPUs of ``cluster``."""
+def make_problem(
+    spec: DlrmSpec, cluster: ClusterSpec, n_gpus: int, params: Params, dtype=None, members=None
+):
+    """The ``ShardingProblem`` of ``spec`` on ``n_gpus`` GPUs of ``cluster`` (``members``: the
+    population's, with a leading axis, for a cluster without a profile of its own)."""
     dtype = dtype or jnp.result_type(float)
     if not isinstance(n_gpus, int) or isinstance(n_gpus, bool) or n_gpus < 1:
         raise ValueError(f"n_gpus={n_gpus!r} is invalid: expected a positive integer")
@@ -169,6 +186,7 @@ def make_problem(spec: DlrmSpec, cluster: ClusterSpec, n_gpus: int, params: Para
         cluster=cluster_arrays(cluster, dtype),
         params=params,
         layout=layout,
+        members=members,
     )
 
 
@@ -339,6 +357,16 @@ def dlrm_cost(problem: ShardingProblem, plan: ShardingPlan, temperature=0.0) -> 
         memory_peak_bytes=smooth.smooth_max(memory_r, temperature=temperature),
         memory_capacity_bytes=c.memory_bytes,
     )
+
+
+def plan_cost(problem: ShardingProblem, plan: ShardingPlan, temperature=0.0) -> DlrmBreakdown:
+    """``dlrm_cost`` with the problem's constants, or where it has ``members`` their median
+    (``population.median_breakdown``: the exponential of their mean log time, the parts
+    rescaled to it), which the search minimizes and the command reports."""
+    if problem.members is None:
+        return dlrm_cost(problem, plan, temperature)
+    each = jax.vmap(lambda p: dlrm_cost(problem.replace(params=p), plan, temperature))
+    return population.median_breakdown(each(problem.members))
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,10 +6,12 @@
 1. **Relaxed descent.** Each table's type is a softmax over ``SHARDING_TYPES`` and its
    placement a softmax over the ranks, both at a temperature annealed from ``tau_start`` to
    ``tau_end``; the objective is ``log(iteration time)`` (the maxima over ranks smoothed at
-   ``temperature``) plus a smooth penalty on the relative memory excess of the fullest rank,
-   and on every other start a ramped entropy term that makes each table commit to one type
-   and one rank (``objective``). Many random starts descend at once (``jax.vmap`` over
-   ``descent.descend``: optax Adam under one ``lax.scan``), in one jit-compiled call.
+   ``temperature``; for a cluster that takes the population, the members' mean log time:
+   ``dlrm_cost.plan_cost``, which the exact evaluation uses too) plus a smooth penalty on the
+   relative memory excess of the fullest rank, and on every other start a ramped entropy term
+   that makes each table commit to one type and one rank (``objective``). Many random starts
+   descend at once (``jax.vmap`` over ``descent.descend``: optax Adam under one
+   ``lax.scan``), in one jit-compiled call.
 2. **Rounding.** Each start's most probable type and rank per table, and ``samples`` plans
    drawn from its probabilities (canonicalized: ``dlrm_cost.canonical``), evaluated exactly
    (temperature 0).
@@ -52,8 +54,8 @@ from diffcost.dlrm_cost import (
     ShardingProblem,
     TableChoice,
     canonical,
-    dlrm_cost,
     options,
+    plan_cost,
     table_costs,
 )
 
@@ -134,7 +136,7 @@ def _evaluate_batch(problem: ShardingProblem, kinds, ranks):
     types = jax.nn.one_hot(kinds, len(SHARDING_TYPES), dtype=dtype)
     places = jax.nn.one_hot(ranks, problem.layout.n_ranks, dtype=dtype)
     places = places * (kinds >= 0)[..., None].astype(dtype)
-    out = jax.vmap(lambda t, r: dlrm_cost(problem, ShardingPlan(t, r), 0.0))(types, places)
+    out = jax.vmap(lambda t, r: plan_cost(problem, ShardingPlan(t, r), 0.0))(types, places)
     return out.iteration_s, out.memory_peak_bytes, out.memory_capacity_bytes
 
 
@@ -185,7 +187,7 @@ def objective(logits, problem: ShardingProblem, tau, temperature, memory_weight,
     term, ramped in, makes each table commit to one rank and one type while it descends.
     """
     plan = relaxed_plan(logits, tau)
-    out = dlrm_cost(problem, plan, temperature)
+    out = plan_cost(problem, plan, temperature)
     over = out.memory_peak_bytes / out.memory_capacity_bytes - 1.0
     excess = smooth.smooth_relu(over, 1.0, temperature)
     entropy = jnp.mean(_entropy(plan.types) + _entropy(plan.ranks))

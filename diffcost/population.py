@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffcost import smooth
+from diffcost import profiles, smooth
 from diffcost.params import Params
-from diffcost.simulate import Breakdown, simulate
+from diffcost.simulate import simulate
 from diffcost.uncertainty import member_log_time_jacobians
 
 # Per-iteration rates: value x iteration time is the same for every member (tokens, FLOPs).
@@ -41,12 +41,37 @@ def stack_members(members: list[Params]) -> Params:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *members)
 
 
-def median_breakdown(out: Breakdown) -> Breakdown:
+def constants_for(cluster, profile=None, dtype=None) -> tuple[Params, Params | None, str]:
+    """(Params, members, note) of a command that prices ``cluster``: ``profiles.params_for``'s
+    constants and note, and for a cluster that takes the population's median its members with
+    a leading axis (``stack_members``; None otherwise), the note saying so (``median_note``)."""
+    params, note = profiles.params_for(cluster, profile, dtype)
+    members = profiles.population_members(cluster, profile, dtype)
+    if not members:
+        return params, None, note
+    return params, stack_members(members), f"{note}; {median_note(len(members))}"
+
+
+def tangent_weights(times) -> np.ndarray:
+    """Weights ``w [M]`` of the members whose times at a reference point are ``times [M]``
+    (seconds): ``w_m = median / (M t_m)``, with ``median = exp(mean log t)``. A cost linear in
+    each member's, ``sum_m w_m t_m(x)``, equals the members' median at that point and has its
+    gradient there, and lies above it everywhere else (the arithmetic mean of ``t_m(x) /
+    t_m(x0)`` against their geometric mean): a search whose costs must stay additive
+    (``opgraph.sbp_search``'s pairwise tables) minimizes the median to first order, and a plan
+    that lowers the sum below its value at the reference lowers the median too."""
+    t = np.asarray(times, dtype=float)
+    return np.exp(np.mean(np.log(t))) / (t.size * t)
+
+
+def median_breakdown(out):
     """One ``Breakdown`` from one per member (leading axis): ``iteration_s`` the exponential of
     the mean log time, each time part the members' mean scaled by the same factor as the time
     (the parts keep their shares), rates at that time, ``status`` the worst, memory and the
     rest the members' mean (they do not depend on the cluster constants). Traced arrays are
-    combined with ``jax.numpy``, host arrays with numpy (one row of ``validate``'s batch)."""
+    combined with ``jax.numpy``, host arrays with numpy (one row of ``validate``'s batch).
+    Any result dataclass with ``iteration_s`` and a ``TIME_PARTS`` tuple combines the same
+    way (a graph step's ``opgraph.step.StepTime``, a ``dlrm_cost.DlrmBreakdown``)."""
     xp = jnp if isinstance(out.iteration_s, jax.Array) else np
     t = xp.exp(xp.mean(xp.log(out.iteration_s), 0))
     scale = t / xp.mean(out.iteration_s, 0)
@@ -55,7 +80,7 @@ def median_breakdown(out: Breakdown) -> Breakdown:
         x = getattr(out, f.name)
         if f.name == "iteration_s":
             values[f.name] = t
-        elif f.name in Breakdown.TIME_PARTS:
+        elif f.name in type(out).TIME_PARTS:
             values[f.name] = xp.mean(x, 0) * scale
         elif f.name in RATES:
             values[f.name] = xp.mean(x * out.iteration_s, 0) / t

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import diffcost
-from diffcost import cli
+from diffcost import cli, population, profiles
+from diffcost.cli.graph import GraphRun
 from diffcost.opgraph import sbp, sbp_search, step
 from diffcost.opgraph.models import load_graph_model
 from diffcost.opgraph.sbp import B, S
@@ -203,3 +204,52 @@ def test_pooling_windows_split_on_batch_and_channels():
     problem = sbp.sbp_problem(g, 2)
     (node,) = [n for n in problem.nodes if n.op >= 0]
     assert {s.name for s in node.signatures} == {"S0 -> S0", "S3 -> S3", "B"}
+
+
+def _member_times(run: GraphRun, choice) -> tuple[list[float], list[float]]:
+    """Each population member's step time and serial search cost of ``choice``."""
+    steps, serial = [], []
+    for p in profiles.population_members(run.cluster):
+        parts = sbp.sbp_parts(run.problem, run.arrays, p)
+        steps.append(float(step.step_time(run.problem, parts, choice, run.arrays, p).iteration_s))
+        serial.append(sbp_search.assignment_cost_s(run.problem, parts.costs(), choice))
+    return steps, serial
+
+
+def test_a_cluster_without_profile_takes_the_members_median():
+    """On dgx-h200 (no profile of its own) a graph's step time is the population members'
+    median, ``exp(mean log t(member))``, slower than at their mean constants, its parts adding
+    up to it; the search's costs equal the members' median serial cost at data parallel. A
+    cluster with a profile, or ``--profile none``, prices its constants alone, as before."""
+    run = GraphRun("mlp", "dgx-h200", 4, 64, None)
+    dp = run.data_parallel()
+    steps, serial = _member_times(run, dp)
+    st = run.step_time(dp)
+    assert float(st.iteration_s) == pytest.approx(np.exp(np.mean(np.log(steps))), rel=1e-9)
+    parts = sum(float(getattr(st, k)) for k in step.PARTS)
+    assert float(st.iteration_s) == pytest.approx(parts, rel=1e-12)
+    mean_parts = sbp.sbp_parts(run.problem, run.arrays, run.params)
+    plug_in = step.step_time(run.problem, mean_parts, dp, run.arrays, run.params)
+    assert float(st.iteration_s) > float(plug_in.iteration_s) * (1 + 1e-4)
+    at_dp = sbp_search.assignment_cost_s(run.problem, run.costs, dp)
+    assert at_dp == pytest.approx(np.exp(np.mean(np.log(serial))), rel=1e-9)
+    note = run.result(dp, "data parallel")["profile"]
+    assert population.median_note(len(steps)) in note
+    for cluster, profile in (("dgx-h100", None), ("dgx-h200", "none")):
+        own = GraphRun("mlp", cluster, 4, 64, profile)
+        assert own.members is None and "median" not in own.note
+        alone = step.step_time(own.problem, own.parts, dp, own.arrays, own.params)
+        assert float(own.step_time(dp).iteration_s) == float(alone.iteration_s)
+
+
+def test_search_sbp_on_a_cluster_without_profile_reports_the_members_median(capsys):
+    argv = ["search", "mlp", "--sbp", "--cluster", "dgx-h200", "--gpus", "4"]
+    assert cli.main([*argv, "--global-batch", "64", "--steps", "50", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "median over the population's" in d["profile"]
+    assert "the search minimizes their median to first order" in d["profile"]
+    assert d["iteration_s"] <= d["data_parallel"]["iteration_s"] * (1 + 1e-9)
+    run = GraphRun("mlp", "dgx-h200", 4, 64, None)
+    steps, _ = _member_times(run, run.data_parallel())
+    dp = d["data_parallel"]["iteration_s"]
+    assert dp == pytest.approx(np.exp(np.mean(np.log(steps))), rel=1e-9)

@@ -19,7 +19,7 @@ from calibration.heldout import (
     uninformed,
 )
 from calibration.readers import load
-from diffcost import api
+from diffcost import api, population
 from diffcost import profiles as prof
 from diffcost.config import load_cluster
 from diffcost.interval import predict_interval
@@ -280,3 +280,40 @@ def test_suggest_prices_its_candidates_as_predict_does(tmp_path, monkeypatch):
         assert t == pytest.approx(np.exp(np.mean(logs)), rel=1e-6)
     _, _, at_mean = sg.price(cands[:3], params)
     assert np.all(at_mean < times[:3] / 1.01)
+
+
+def test_constants_for_gives_the_members_where_predict_takes_the_median():
+    """``population.constants_for``: on dgx-h200 (no profile of its own) the mean constants,
+    the members with a leading axis and a note that says the time is their median; on a
+    cluster with a profile, or with ``--profile none``, ``params_for``'s alone."""
+    h200 = load_cluster("dgx-h200")
+    params, members, note = population.constants_for(h200)
+    each = prof.population_members(h200)
+    assert members.host_op_s.shape == (len(each),) and len(each) > 1
+    assert note == f"{prof.params_for(h200)[1]}; {population.median_note(len(each))}"
+    assert float(params.host_op_s) == float(prof.params_for(h200)[0].host_op_s)
+    for cluster, profile in ((load_cluster("dgx-h100"), None), (h200, "none")):
+        _, members, note = population.constants_for(cluster, profile)
+        assert members is None and note == prof.params_for(cluster, profile)[1]
+
+
+def test_tangent_weights_bound_the_median_and_touch_it_at_the_reference():
+    """Member times linear in a plan ``x`` (a search's pairwise costs), weighted by
+    ``tangent_weights`` at ``x0``: the sum equals the median ``exp(mean log t)`` at ``x0``
+    with its gradient, and is above it everywhere else (arithmetic against geometric mean),
+    so a plan that lowers the sum lowers the median."""
+    rng = np.random.default_rng(0)
+    a, b = rng.uniform(0.5, 2.0, (5, 3)), rng.uniform(0.1, 1.0, 5)  # t_m(x) = a_m . x + b_m
+    x0 = np.array([0.2, 0.5, 0.3])
+    w = population.tangent_weights(a @ x0 + b)
+
+    def median(x):
+        return jnp.exp(jnp.mean(jnp.log(a @ x + b)))
+
+    def surrogate(x):
+        return jnp.sum(w * (a @ x + b))
+
+    assert float(surrogate(x0)) == pytest.approx(float(median(x0)), rel=1e-12)
+    np.testing.assert_allclose(jax.grad(surrogate)(x0), jax.grad(median)(x0), rtol=1e-12)
+    for x in rng.uniform(0.0, 1.0, (20, 3)):
+        assert float(surrogate(x)) >= float(median(x)) * (1 - 1e-12)

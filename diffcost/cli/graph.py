@@ -5,24 +5,30 @@ function and example arguments; ``diffcost.opgraph.models``). Its plan is a 1-D 
 ``--mesh`` GPUs of ``--cluster`` and a sharding: ``data`` (data parallel), ``replicated``,
 ``search`` (``sbp_search.gradient_search``, started from data parallel too), or a JSON file
 with ``{"layouts": {node: signature}}`` as ``search --sbp --json`` prints it. The step time and
-its parts come from ``diffcost.opgraph.step``.
+its parts come from ``diffcost.opgraph.step``. On a cluster without a profile of its own they
+are the median over the population's members (``population.median_breakdown``), and the
+search's pairwise costs are the members' weighted so that their sum is that median to first
+order about the data-parallel plan (``population.tangent_weights``); the note says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from collections import Counter
 
-from diffcost import config, trace
+import jax
+import jax.numpy as jnp
+
+from diffcost import config, population, trace
 from diffcost.arrays import cluster_arrays
 from diffcost.cli import common
 from diffcost.opgraph import sbp, sbp_search, step
 from diffcost.opgraph.ir import GEMM_KINDS
 from diffcost.opgraph.models import GraphModel, load_graph_model
-from diffcost.profiles import params_for
 
 SHARDINGS = ("data", "replicated", "search")
 MAX_ROWS = 60  # per-node layout rows printed by search --sbp
@@ -93,13 +99,31 @@ class GraphRun:
             raise config.ConfigError("--mesh N (the GPUs of the mesh) is required with a graph")
         common.check_at_least("--mesh", mesh, 1)
         self.cluster = config.load_cluster(cluster)
-        self.params, self.note = params_for(self.cluster, profile)
+        # members: the population's (leading axis) on a cluster without a profile, else None
+        self.params, self.members, self.note = population.constants_for(self.cluster, profile)
         self.model: GraphModel = load_graph_model(model, batch)
         self.problem = sbp.sbp_problem(self.model.graph, mesh)
         self.arrays = cluster_arrays(self.cluster)
-        self.parts = sbp.sbp_parts(self.problem, self.arrays, self.params)
-        self.costs = self.parts.costs()
+        price = functools.partial(sbp.sbp_parts, self.problem, self.arrays)
+        self.parts = price(self.params) if self.members is None else jax.vmap(price)(self.members)
         self.names = dict(zip(self.model.graph.inputs, self.model.input_names))
+
+    @functools.cached_property
+    def costs(self) -> sbp.SbpCosts:
+        """The search's pairwise costs: the parts summed; for the population's members, their
+        costs weighted by ``population.tangent_weights`` at the data-parallel plan."""
+        costs = self.parts.costs()
+        if self.members is None:
+            return costs
+        dp = self.data_parallel()
+        each = [
+            sbp_search.assignment_cost_s(
+                self.problem, jax.tree_util.tree_map(lambda x: x[m], costs), dp
+            )
+            for m in range(costs.node_s.shape[0])
+        ]
+        weights = jnp.asarray(population.tangent_weights(each))
+        return jax.tree_util.tree_map(lambda x: jnp.tensordot(weights, x, 1), costs)
 
     def data_parallel(self):
         return step.data_parallel_choice(self.problem, self.model.batch_inputs)
@@ -129,7 +153,13 @@ class GraphRun:
         return step.choice_from_layouts(self.problem, plan["layouts"], sharding), sharding
 
     def step_time(self, choice) -> step.StepTime:
-        return step.step_time(self.problem, self.parts, choice, self.arrays, self.params)
+        """The step time of ``choice``; the members' median where there are members."""
+        time_fn = functools.partial(
+            step.step_time, self.problem, choice=choice, cluster=self.arrays
+        )
+        if self.members is None:
+            return time_fn(self.parts, params=self.params)
+        return population.median_breakdown(jax.vmap(time_fn)(self.parts, params=self.members))
 
     def search(self, steps: int = 400, seed: int = 0):
         """The searched plan; the data-parallel one when its step time (overlapped, bucketed) is
@@ -163,7 +193,14 @@ class GraphRun:
         }
 
     def write_trace(self, path: str, choice, meta: dict) -> None:
-        args = (self.problem, self.parts, choice, self.arrays, self.params, self.names)
+        """The step's timeline at ``params`` (on a cluster without a profile, the population's
+        mean constants, as ``predict --trace`` draws a transformer's)."""
+        parts = (
+            self.parts
+            if self.members is None
+            else sbp.sbp_parts(self.problem, self.arrays, self.params)
+        )
+        args = (self.problem, parts, choice, self.arrays, self.params, self.names)
         events = step.step_events(*args)
         trace.write_trace(path, events, meta)
 
@@ -230,6 +267,8 @@ def run_search(args: argparse.Namespace) -> int:
     sol = run.search(args.steps or 400, args.seed)
     seconds = time.perf_counter() - t0
     found = run.result(sol.choice, f"searched ({sol.method})")
+    if run.members is not None:
+        found["profile"] += "; the search minimizes their median to first order about data parallel"
     dp = run.result(run.data_parallel(), "data parallel")
     out = {
         **found,

@@ -80,6 +80,17 @@ class StepTime:
     optimizer_s: jnp.ndarray
     overhead_s: jnp.ndarray
 
+    # every part but the time (``population.median_breakdown`` scales them with it)
+    TIME_PARTS = (
+        "forward_s",
+        "backward_s",
+        "relayout_s",
+        "grad_sync_s",
+        "exposed_grad_sync_s",
+        "optimizer_s",
+        "overhead_s",
+    )
+
     @property
     def compute_s(self):
         return self.forward_s + self.backward_s
