@@ -23,6 +23,10 @@ jax, optax and numpy are installed). Writes, under ``--out``:
   allocator's own slack.
 * ``meta.json``: device, software versions, the command line, the date.
 
+``--only attention --attn-set long`` writes the attention rows alone at long-context shapes
+(``ATTN_LONG_SHAPES``, 16,384 to 131,072 tokens) instead of the default ones (``ATTN_SHAPES``,
+1,024 to 8,192).
+
 Times are the median of three batches of back-to-back calls after warm-up, each batch at least
 ``MIN_BATCH_S`` long. A kernel shorter than the host's time to dispatch one call would read the
 dispatch: the run first times a trivial call (``dispatch_s`` in ``meta.json``) and leaves out
@@ -77,6 +81,17 @@ ATTN_SHAPES = tuple(
     for (h, kv, d) in ((16, 16, 64), (16, 16, 128), (32, 32, 128), (64, 8, 128))
 )
 ATTN_TOKENS = 32768
+# ``--attn-set long``: long-context shapes, one sequence per call (batch ATTN_TOKENS / seq at
+# 16,384): Llama-style grouped heads per GPU (8 over 1 and 16 over 2 K/V heads: Llama 3 70B at
+# tp 8 and 4; 64 over 8 at tp 1) and ungrouped ones. SimuMax's B200 table peaks at 32,768 tokens
+# for the grouped kernels and falls for the ungrouped ones at 131,072; these rows say whether
+# cuDNN on this GPU does the same.
+ATTN_LONG_SHAPES = tuple(
+    (s, h, kv, d)
+    for s in (16384, 32768, 65536, 131072)
+    for (h, kv, d) in ((8, 1, 128), (16, 2, 128), (64, 8, 128), (32, 32, 128))
+)
+ATTN_SETS = {"base": "ATTN_SHAPES", "long": "ATTN_LONG_SHAPES"}
 MEM_BYTES = (1 << 26, 1 << 28, 1 << 30)
 # (name, layers, hidden, heads, seq, microbatch, recompute)
 E2E_CONFIGS = (
@@ -225,6 +240,7 @@ def gemm_rows(run, scale: int):
 
 
 def attention_rows(run, scale: int):
+    """Fused causal attention rows (forward and backward) of ``--attn-set``'s shapes."""
     peak = run.args.peak_tflops
     key = jax.random.PRNGKey(1)
     impl = run.impl
@@ -234,7 +250,7 @@ def attention_rows(run, scale: int):
 
     fwd = jax.jit(attn)
     both = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-    for s, h, kv, d in ATTN_SHAPES:
+    for s, h, kv, d in globals()[ATTN_SETS[run.args.attn_set]]:
         s_ = max(64, s // scale)
         b = max(1, ATTN_TOKENS // scale // s_)
 
@@ -533,7 +549,10 @@ def main(argv=None) -> int:
     p.add_argument("--hbm-GBps", type=float, default=3350.0, help="nominal HBM bandwidth")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip what starts later")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per config")
-    p.add_argument("--only", default="kernels,e2e", help="kernels, e2e or both")
+    p.add_argument(
+        "--only", default="kernels,e2e", help="kernels, attention (its rows alone), e2e, or a list"
+    )
+    p.add_argument("--attn-set", choices=tuple(ATTN_SETS), default="base", help="attention shapes")
     p.add_argument("--e2e-set", choices=tuple(e2e_sets()), default="base", help="e2e configs")
     p.add_argument("--skip-configs", type=int, default=0, help="leave out the set's first N")
     p.add_argument("--quick", action="store_true", help="sizes / 16: a CPU smoke run")
@@ -542,18 +561,21 @@ def main(argv=None) -> int:
     run = Run(args)
     scale = QUICK_SCALE if args.quick else 1
     counts = {}
-    if "kernels" in args.only:
+    only = args.only.split(",")
+    if "kernels" in only or "attention" in only:
 
         def kernels():
-            yield from gemm_rows(run, scale)
+            if "kernels" in only:
+                yield from gemm_rows(run, scale)
             yield from attention_rows(run, scale)
-            yield from memory_rows(run, scale)
+            if "kernels" in only:
+                yield from memory_rows(run, scale)
 
         counts["kernels"] = write_csv(
             os.path.join(args.out, "kernels.csv"), KERNEL_COLUMNS, kernels()
         )
         print(f"kernels: {counts['kernels']} rows at {time.perf_counter() - run.start:.0f} s")
-    if "e2e" in args.only:
+    if "e2e" in only:
         counts["e2e"] = write_csv(
             os.path.join(args.out, "e2e.csv"), E2E_COLUMNS, e2e_rows(run, scale)
         )

@@ -76,3 +76,19 @@ def test_skip_configs_leaves_out_the_first(tiny, tmp_path):
     assert gm.main(argv) == 0
     rows = list(csv.DictReader(open(tmp_path / "e2e.csv")))
     assert [r["recompute"] for r in rows] == ["full"]
+
+
+def test_attention_alone_at_the_long_shapes(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(gm, "ATTN_LONG_SHAPES", ((256, 4, 1, 32), (256, 4, 4, 32)))
+    argv = ["--out", str(tmp_path), "--only", "attention", "--attn-set", "long"]
+    assert gm.main(argv) == 0
+    rows = list(csv.DictReader(open(tmp_path / "kernels.csv")))
+    assert [(r["op"], r["kv_heads"]) for r in rows] == [
+        ("attention_fwd", "1"),
+        ("attention_bwd", "1"),
+        ("attention_fwd", "4"),
+        ("attention_bwd", "4"),
+    ]
+    assert {r["seq_len"] for r in rows} == {"256"}
+    assert not (tmp_path / "e2e.csv").exists()
+    assert len(load(tmp_path).attention) == 4
