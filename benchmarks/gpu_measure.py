@@ -23,9 +23,8 @@ jax, optax and numpy are installed). Writes, under ``--out``:
   allocator's own slack.
 * ``meta.json``: device, software versions, the command line, the date.
 
-``--only attention --attn-set long`` writes the attention rows alone at long-context shapes
-(``ATTN_LONG_SHAPES``, 16,384 to 131,072 tokens) instead of the default ones (``ATTN_SHAPES``,
-1,024 to 8,192).
+``--only attention --attn-set long``: the attention rows alone, at 16,384 to 131,072 tokens
+(``ATTN_LONG_SHAPES``) instead of 1,024 to 8,192 (``ATTN_SHAPES``).
 
 Times are the median of three batches of back-to-back calls after warm-up, each batch at least
 ``MIN_BATCH_S`` long. A kernel shorter than the host's time to dispatch one call would read the
@@ -81,17 +80,13 @@ ATTN_SHAPES = tuple(
     for (h, kv, d) in ((16, 16, 64), (16, 16, 128), (32, 32, 128), (64, 8, 128))
 )
 ATTN_TOKENS = 32768
-# ``--attn-set long``: long-context shapes, one sequence per call (batch ATTN_TOKENS / seq at
-# 16,384): Llama-style grouped heads per GPU (8 over 1 and 16 over 2 K/V heads: Llama 3 70B at
-# tp 8 and 4; 64 over 8 at tp 1) and ungrouped ones. SimuMax's B200 table peaks at 32,768 tokens
-# for the grouped kernels and falls for the ungrouped ones at 131,072; these rows say whether
-# cuDNN on this GPU does the same.
+# ``--attn-set long``: grouped heads per GPU as Llama 3 70B's at tp 8, 4 and 1, and ungrouped ones
+# (SimuMax's B200 table peaks at 32,768 tokens for the former, falls at 131,072 for the latter).
 ATTN_LONG_SHAPES = tuple(
     (s, h, kv, d)
     for s in (16384, 32768, 65536, 131072)
     for (h, kv, d) in ((8, 1, 128), (16, 2, 128), (64, 8, 128), (32, 32, 128))
 )
-ATTN_SETS = {"base": "ATTN_SHAPES", "long": "ATTN_LONG_SHAPES"}
 MEM_BYTES = (1 << 26, 1 << 28, 1 << 30)
 # (name, layers, hidden, heads, seq, microbatch, recompute)
 E2E_CONFIGS = (
@@ -250,7 +245,7 @@ def attention_rows(run, scale: int):
 
     fwd = jax.jit(attn)
     both = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-    for s, h, kv, d in globals()[ATTN_SETS[run.args.attn_set]]:
+    for s, h, kv, d in ATTN_LONG_SHAPES if run.args.attn_set == "long" else ATTN_SHAPES:
         s_ = max(64, s // scale)
         b = max(1, ATTN_TOKENS // scale // s_)
 
@@ -549,10 +544,8 @@ def main(argv=None) -> int:
     p.add_argument("--hbm-GBps", type=float, default=3350.0, help="nominal HBM bandwidth")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip what starts later")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per config")
-    p.add_argument(
-        "--only", default="kernels,e2e", help="kernels, attention (its rows alone), e2e, or a list"
-    )
-    p.add_argument("--attn-set", choices=tuple(ATTN_SETS), default="base", help="attention shapes")
+    p.add_argument("--only", default="kernels,e2e", help="list of kernels, attention, e2e")
+    p.add_argument("--attn-set", choices=("base", "long"), default="base", help="attention shapes")
     p.add_argument("--e2e-set", choices=tuple(e2e_sets()), default="base", help="e2e configs")
     p.add_argument("--skip-configs", type=int, default=0, help="leave out the set's first N")
     p.add_argument("--quick", action="store_true", help="sizes / 16: a CPU smoke run")
@@ -565,11 +558,9 @@ def main(argv=None) -> int:
     if "kernels" in only or "attention" in only:
 
         def kernels():
-            if "kernels" in only:
-                yield from gemm_rows(run, scale)
+            yield from gemm_rows(run, scale) if "kernels" in only else ()
             yield from attention_rows(run, scale)
-            if "kernels" in only:
-                yield from memory_rows(run, scale)
+            yield from memory_rows(run, scale) if "kernels" in only else ()
 
         counts["kernels"] = write_csv(
             os.path.join(args.out, "kernels.csv"), KERNEL_COLUMNS, kernels()
