@@ -41,12 +41,15 @@ def stack_members(members: list[Params]) -> Params:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *members)
 
 
-def constants_for(cluster, profile=None, dtype=None) -> tuple[Params, Params | None, str]:
-    """(Params, members, note) of a command that prices ``cluster``: ``profiles.params_for``'s
-    constants and note, and for a cluster that takes the population's median its members with
-    a leading axis (``stack_members``; None otherwise), the note saying so (``median_note``)."""
-    params, note = profiles.params_for(cluster, profile, dtype)
-    members = profiles.population_members(cluster, profile, dtype)
+def constants_for(
+    cluster, profile=None, dtype=None, stack: str | None = None
+) -> tuple[Params, Params | None, str]:
+    """(Params, members, note) of a command that prices ``cluster`` (with ``stack``'s offsets):
+    ``profiles.params_for``'s constants and note, and for a cluster that takes the population's
+    median its members with a leading axis (``stack_members``; None otherwise), the note saying
+    so (``median_note``)."""
+    params, note = profiles.params_for(cluster, profile, dtype, stack=stack)
+    members = profiles.population_members(cluster, profile, dtype, stack=stack)
     if not members:
         return params, None, note
     return params, stack_members(members), f"{note}; {median_note(len(members))}"

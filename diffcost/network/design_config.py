@@ -248,14 +248,14 @@ def _point(d: Design, spec: DesignSpec, job, params, time_fn=None) -> dict:
 def design_params(exp: Experiment, time_fn=None):
     """(params, time_fn) that time ``exp``'s job as ``diffcost predict`` times ``exp``: the
     cluster's constants, or for a cluster that takes the population's median
-    (``profiles.population_members``) the members with a leading axis and
+    (``population.constants_for``) the members with a leading axis and
     ``job.median_time_fn(time_fn)``."""
-    from diffcost import api, population, profiles
+    from diffcost import population
 
-    members = profiles.population_members(exp.cluster, stack=exp.stack)
-    if members:
-        return population.stack_members(members), netjob.median_time_fn(time_fn)
-    return api.params_for(exp)[0], time_fn
+    params, members, _ = population.constants_for(exp.cluster, stack=exp.stack)
+    if members is not None:
+        return members, netjob.median_time_fn(time_fn)
+    return params, time_fn
 
 
 def run_design(spec: DesignSpec, params=None, time_fn=None) -> dict:
