@@ -62,8 +62,9 @@ def fit_curve(kind: str, x: np.ndarray, t: np.ndarray):
         return lambda s: np.exp(np.polyval(c, np.log2(s)))
     best = None
     for centre in np.arange(np.floor(lx.min()) + 1.0, np.ceil(lx.max())):
-        c = _affine(x, t, _step(lx, centre))
-        err = np.mean(np.abs((c[0] + x * (c[1:] @ np.stack(_step(lx, centre)))) / t - 1.0))
+        basis = _step(lx, centre)
+        c = _affine(x, t, basis)
+        err = np.mean(np.abs((c[0] + x * (c[1:] @ np.stack(basis))) / t - 1.0))
         if best is None or err < best[0]:
             best = (err, c, centre)
     if best is None:  # a table within one octave: one bandwidth
