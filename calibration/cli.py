@@ -39,7 +39,10 @@ def register(subparsers) -> None:
         "file, or 'none' for datasheet defaults (default: the cluster's calibrated profile)",
     )
     c.add_argument(
-        "--steps", type=int, default=600, help="maximum optimizer steps (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=None,
+        help="maximum optimizer steps (default: FitConfig.steps, 1200)",
     )
     c.add_argument("--json", action="store_true", help="print one JSON summary")
     c.set_defaults(func=run)

@@ -482,6 +482,8 @@ def run(args) -> int:
         ValueError: ``--steps`` below 1, a bad ``--out``, or no usable measurement.
         ConfigError: an unknown cluster preset.
     """
+    if args.steps is None:
+        args.steps = fit_mod.FitConfig().steps
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be at least 1")
     for name in args.cluster:

@@ -65,7 +65,7 @@ PRIOR_SD_LEAF.update({key: e.prior_sd for key, e in STACK_KEYS.items()})
 
 @dataclasses.dataclass(frozen=True)
 class FitConfig:
-    steps: int = 600
+    steps: int = 1200
     learning_rate: float = 0.1
     huber_delta: float = 0.2  # in log space: ~20% errors are quadratic, larger ones linear
     # Huber's pull is capped but never fades: 10% of rows 3x too slow (the robustness check of
@@ -449,7 +449,7 @@ def prior_curvature(problem: Problem, cfg: FitConfig, dtype=None):
 
 
 # Steps x e2e rows from which ``STEADY_CPU_COMPILE`` pays: ~25 s more compiling, ~0.2 ms saved
-# per row and step (0.49 -> 0.12 s a step at 1,790 rows); a 600-step fit of them: 1.07 million.
+# per row and step (0.49 -> 0.12 s a step at 1,790 rows); a 1,200-step fit of them: 2.15 million.
 STEADY_ROW_STEPS = 120_000
 
 

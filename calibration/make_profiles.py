@@ -1,6 +1,6 @@
 """Rebuild every calibrated profile under diffcost/configs/profiles/ from the shared data.
 
-    python -m calibration.make_profiles [--data ../shared/data] [--steps 600]
+    python -m calibration.make_profiles [--data ../shared/data] [--steps 1200]
 
 One joint fit over every end-to-end run, collective table, GEMM table and SimuMax node
 description (kernel table and collective fit, ``calibration.simumax``) that maps to a cluster
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--data", default=str(DEFAULT_DATA), help="folder with e2e/, collectives/, kernels/"
     )
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=fit_mod.FitConfig().steps)
     args = parser.parse_args(argv)
     enable_compilation_cache()
     data = Path(args.data)

@@ -192,7 +192,7 @@ def test_calibrate_is_a_plugin_command():
 
     assert dict(cli.plugin_commands())["calibrate"] is calibration_cli.register
     args = cli.build_parser().parse_args(["calibrate", "--cluster", "dgx-h100", "x.csv"])
-    assert args.func is calibration_cli.run and args.steps == 600
+    assert args.func is calibration_cli.run and args.steps is None  # FitConfig.steps at run
 
 
 def test_without_plugins_there_is_no_calibrate(capsys):

@@ -149,6 +149,7 @@ def test_calibrate_command_reports_the_few_shot_update(tmp_path, capsys):
     e2e = summary["rows"]["e2e"]
     assert e2e["mape_after_pct"] <= e2e["mape_before_pct"] + 1e-6
     assert summary["written"] == [str(out)]
+    assert summary["max_steps"] == fit_mod.FitConfig().steps  # the default step limit
     assert cli.main([*argv, "--from", "none", "--steps", "20"]) == 0
     assert json.loads(capsys.readouterr().out)["few_shot"] is None
 
