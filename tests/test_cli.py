@@ -195,6 +195,18 @@ def test_calibrate_is_a_plugin_command():
     assert args.func is calibration_cli.run and args.steps is None  # FitConfig.steps at run
 
 
+def test_calibrate_help_states_the_fit_step_limit(capsys):
+    """The plugin does not import the fit, so its help writes the default out: it must be
+    ``FitConfig.steps``."""
+    from calibration.fit import FitConfig
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["calibrate", "--help"])
+    assert f"(default: FitConfig.steps, {FitConfig().steps})" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
 def test_without_plugins_there_is_no_calibrate(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser(plugins=[]).parse_args(["calibrate", "--cluster", "dgx-h100", "x.csv"])
